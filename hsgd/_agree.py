@@ -1,0 +1,49 @@
+"""Collective error agreement: every rank raises, or none does.
+
+In a multi-rank program a check that fails on one rank only and raises there
+leaves the other ranks waiting in the next collective: the job hangs. Every
+check whose inputs may differ between ranks goes through :func:`agree`, which
+gathers each rank's verdict and raises the same exception on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["agree", "check_all"]
+
+# Exception types that may cross ranks; anything else becomes RuntimeError.
+_KNOWN = {
+    cls.__name__: cls
+    for cls in (ValueError, TypeError, RuntimeError, FileNotFoundError,
+                KeyError, PermissionError, OSError)
+}
+
+
+def agree(comm, error: Optional[BaseException]) -> None:
+    """Raise on every rank of ``comm`` if ``error`` is set on any rank.
+
+    ``error`` is this rank's verdict: ``None`` when its local check passed.
+    The raised exception has the type and message of the lowest failing
+    rank, so every rank reports the same thing. Collective: every rank of
+    ``comm`` must call it.
+    """
+    mine = None if error is None else (type(error).__name__, str(error))
+    verdicts = comm.allgather(mine)
+    for verdict in verdicts:
+        if verdict is not None:
+            name, message = verdict
+            raise _KNOWN.get(name, RuntimeError)(message)
+
+
+def check_all(comm, func, *args, **kwargs):
+    """Run ``func(*args, **kwargs)`` on every rank and :func:`agree` on the outcome.
+
+    Returns ``func``'s result when it succeeded on every rank.
+    """
+    try:
+        result, error = func(*args, **kwargs), None
+    except Exception as exc:  # noqa: BLE001 - re-raised collectively below
+        result, error = None, exc
+    agree(comm, error)
+    return result

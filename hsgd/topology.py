@@ -1,0 +1,173 @@
+"""Which ranks share a node, and who speaks for each node.
+
+hsgd synchronizes in two levels: ranks on one node through a shared-memory
+window, nodes through MPI. :class:`Topology` holds the communicators for both
+levels.
+
+Physical nodes come from ``comm.Split_type(MPI.COMM_TYPE_SHARED)``: ranks
+that can map each other's memory. A *virtual* node size (``ranks_per_node``,
+or the environment variable ``HSGD_RANKS_PER_NODE``) sub-splits every physical
+node into groups of that many consecutive ranks, so that a single host can run
+and test the inter-node path. The last group of a physical node may be smaller
+(5 ranks with 2 per node gives nodes of 2, 2 and 1).
+
+Example::
+
+    >>> topo = Topology.from_comm(ranks_per_node=2)   # under mpiexec -n 4
+    >>> topo.num_nodes, topo.node_index, topo.local_rank, topo.is_leader
+    (2, 1, 0, True)                                   # on world rank 2
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+from mpi4py import MPI
+
+from ._agree import agree
+
+__all__ = ["Topology", "ENV_RANKS_PER_NODE"]
+
+ENV_RANKS_PER_NODE = "HSGD_RANKS_PER_NODE"
+
+
+def _parse_ranks_per_node(value, source: str) -> Optional[int]:
+    """Validate a ranks-per-node setting; ``None`` or ``""`` means unset."""
+    if value is None or (isinstance(value, str) and value.strip() == ""):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"Invalid {source}: {value!r}; use a positive integer")
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(
+                f"Invalid {source}: {value!r} is not an integer; set it to the "
+                "number of ranks per (virtual) node, e.g. 2, or unset it"
+            ) from None
+    if not isinstance(value, int):
+        raise ValueError(f"Invalid {source}: {value!r} is not an integer")
+    if value <= 0:
+        raise ValueError(
+            f"Invalid {source}: {value}; it must be a positive number of ranks "
+            "per node, or unset to use the physical nodes"
+        )
+    return value
+
+
+class Topology:
+    """Communicators and coordinates of this rank in a two-level layout.
+
+    Attributes:
+        comm: the world communicator the topology was built from.
+        rank, size: this rank and the number of ranks in ``comm``.
+        node_comm: the ranks of this (virtual) node, ordered by world rank.
+        local_rank, local_size: this rank's place in, and the size of, ``node_comm``.
+        node_index, num_nodes: which node this is (0-based, ordered by the
+            node's lowest world rank) and how many nodes there are.
+        node_sizes: the size of every node, indexed by ``node_index``.
+        is_leader: ``local_rank == 0``.
+        leader_comm: the leaders of all nodes (``None`` on non-leaders).
+        ranks_per_node: the virtual node size in force, or ``None``.
+
+    Build it with :meth:`from_comm`; call :meth:`close` (collective) to free
+    the communicators, or use it as a context manager.
+    """
+
+    def __init__(self, comm, node_comm, leader_comm, node_index: int,
+                 node_sizes: Tuple[int, ...], ranks_per_node: Optional[int]):
+        self.comm = comm
+        self.node_comm = node_comm
+        self.leader_comm = leader_comm
+        self.node_index = node_index
+        self.node_sizes = tuple(node_sizes)
+        self.ranks_per_node = ranks_per_node
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.local_rank = node_comm.Get_rank()
+        self.local_size = node_comm.Get_size()
+        self._closed = False
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_sizes)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def equal_nodes(self) -> bool:
+        """True when every node has the same number of ranks."""
+        return len(set(self.node_sizes)) == 1
+
+    @classmethod
+    def from_comm(cls, comm=None, ranks_per_node=None) -> "Topology":
+        """Build the two-level layout of ``comm`` (default ``MPI.COMM_WORLD``).
+
+        Collective over ``comm``. ``ranks_per_node`` overrides the environment
+        variable ``HSGD_RANKS_PER_NODE``; both unset means physical nodes.
+        A bad value raises ``ValueError`` on every rank.
+        """
+        comm = MPI.COMM_WORLD if comm is None else comm
+        error, rpn = None, None
+        try:
+            if ranks_per_node is not None:
+                rpn = _parse_ranks_per_node(ranks_per_node, "ranks_per_node")
+            else:
+                rpn = _parse_ranks_per_node(
+                    os.environ.get(ENV_RANKS_PER_NODE), ENV_RANKS_PER_NODE)
+        except ValueError as exc:
+            error = exc
+        agree(comm, error)
+        # Every rank must use the same virtual node size, or the splits differ.
+        settings = set(comm.allgather(rpn))
+        if len(settings) > 1:
+            raise ValueError(
+                f"ranks disagree on ranks_per_node / {ENV_RANKS_PER_NODE}: "
+                f"{sorted(settings, key=str)}; set the same value on every rank")
+        return cls._build(comm, rpn)
+
+    @classmethod
+    def _build(cls, comm, rpn: Optional[int]) -> "Topology":
+        rank = comm.Get_rank()
+        physical = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        try:
+            if rpn is None:
+                node_comm = physical.Dup()
+            else:
+                node_comm = physical.Split(physical.Get_rank() // rpn, rank)
+        finally:
+            physical.Free()
+        is_leader = node_comm.Get_rank() == 0
+        leader_comm = comm.Split(0 if is_leader else MPI.UNDEFINED, rank)
+        if leader_comm == MPI.COMM_NULL:
+            leader_comm = None
+        if is_leader:
+            node_index = leader_comm.Get_rank()
+            node_sizes = leader_comm.allgather(node_comm.Get_size())
+        else:
+            node_index, node_sizes = None, None
+        node_index, node_sizes = node_comm.bcast((node_index, node_sizes), root=0)
+        return cls(comm, node_comm, leader_comm, node_index, node_sizes, rpn)
+
+    def close(self) -> None:
+        """Free the node and leader communicators. Collective; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.node_comm.Free()
+        if self.leader_comm is not None:
+            self.leader_comm.Free()
+
+    def __enter__(self) -> "Topology":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Topology(rank={self.rank}/{self.size}, node={self.node_index}/"
+                f"{self.num_nodes}, local_rank={self.local_rank}/{self.local_size}, "
+                f"node_sizes={list(self.node_sizes)})")
