@@ -1,7 +1,16 @@
-"""hsgd: hierarchical synchronous SGD for PyTorch over MPI shared memory."""
+"""hsgd: hierarchical synchronous SGD for PyTorch over MPI shared memory.
+
+Example::
+
+    >>> from hsgd import HierarchicalSGD, Topology
+    >>> opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
+"""
 
 __version__ = "0.1.0"
 
+from .broadcast import broadcast_optimizer_state, broadcast_parameters  # noqa: E402
+from .optimizer import HierarchicalSGD  # noqa: E402
 from .topology import Topology  # noqa: E402
 
-__all__ = ["Topology", "__version__"]
+__all__ = ["HierarchicalSGD", "Topology", "broadcast_parameters",
+           "broadcast_optimizer_state", "__version__"]

@@ -1,0 +1,124 @@
+"""Two-level averaging of one flat buffer per rank: the engine under HierarchicalSGD.
+
+:class:`HierarchicalAverager` owns a node's :class:`~hsgd.intra_node.SharedSlots`
+and a level-2 strategy from :mod:`hsgd.inter_node`. Each rank fills its own
+slot (``averager.own(segment)``); :meth:`~HierarchicalAverager.average` then
+leaves the mean in every slot:
+
+``level="node"``: mean over the ranks of this node (one fused pass)::
+
+    fence; slice_i(all slots) := mean_j slice_i(slot_j); fence
+
+``level="global"``: mean over all ranks, every rank weighing ``1/world``::
+
+    fence; slice_i(slot_0) := sum_j slice_i(slot_j)         # level 1
+    fence; slot_0 := sum over nodes (leader or sharded)      # level 2
+    fence; slice_i(all slots) := slice_i(slot_0) / world     # spread back
+    fence
+
+With a single node, ``"global"`` is the fused one-pass node mean. Time spent
+is accumulated in :attr:`~HierarchicalAverager.seconds` (``"intra"`` and
+``"inter"``), for the trainer's time breakdown.
+
+Example::
+
+    >>> avg = HierarchicalAverager(topo, Layout([(torch.float64, 17)]))
+    >>> avg.own(0).fill_(topo.rank)
+    >>> avg.average("global")
+    >>> avg.own(0)[0].item() == (topo.size - 1) / 2
+    True
+    >>> avg.close()
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .inter_node import make_inter_node
+from .intra_node import Layout, SharedSlots
+
+__all__ = ["HierarchicalAverager", "LEVELS"]
+
+LEVELS = ("node", "global")
+
+
+class HierarchicalAverager:
+    """Averages each rank's slot over its node or over all ranks. Collective."""
+
+    def __init__(self, topology, layout: Layout, inter_node: str = "leader"):
+        self.topology = topology
+        self.layout = layout
+        self.slots = SharedSlots(topology.node_comm, layout)
+        try:
+            self.inter = make_inter_node(inter_node, topology)
+        except BaseException:
+            self.slots.close()
+            raise
+        self.seconds = {"intra": 0.0, "inter": 0.0}
+        self.calls = 0
+
+    @property
+    def inter_node(self) -> str:
+        return self.inter.name
+
+    def own(self, segment: int) -> torch.Tensor:
+        """This rank's slot, segment ``segment``: write the values to average here."""
+        return self.slots.own(segment)
+
+    def average(self, level: str = "global", scale: float = 1.0) -> None:
+        """Replace every rank's slot by ``scale`` times the node or world mean."""
+        if level not in LEVELS:
+            raise ValueError(f"Invalid level: {level!r}; choose one of {list(LEVELS)}")
+        if self.slots.closed:
+            raise RuntimeError("HierarchicalAverager is closed; its shared window was freed")
+        self.calls += 1
+        topo = self.topology
+        if level == "node" or topo.num_nodes == 1:
+            self._timed("intra", self._node_mean, scale)
+            return
+        self._timed("intra", self._reduce_to_leader)
+        self._timed("inter", self._across_nodes)
+        self._timed("intra", self._spread, scale / topo.size)
+
+    def _timed(self, key: str, fn, *args) -> None:
+        start = time.perf_counter()
+        fn(*args)
+        self.seconds[key] += time.perf_counter() - start
+
+    def _node_mean(self, scale: float) -> None:
+        if self.slots.local_size == 1:
+            if scale != 1.0:
+                for seg in range(len(self.layout.dtypes)):
+                    self.slots.own(seg).mul_(scale)
+            return
+        self.slots.fence()   # every local rank has written its slot
+        self.slots.reduce_broadcast(scale / self.slots.local_size)
+        self.slots.fence()   # every slot holds the mean before anyone reuses it
+
+    def _reduce_to_leader(self) -> None:
+        self.slots.fence()   # every local rank has written its slot
+        self.slots.reduce_to_first()
+        self.slots.fence()   # slot 0 holds the complete node sum
+
+    def _across_nodes(self) -> None:
+        for seg in range(len(self.layout.dtypes)):
+            lo, hi = self.slots.my_slice(seg)
+            self.inter.allreduce_(self.slots.slot(0, seg), lo, hi)
+
+    def _spread(self, scale: float) -> None:
+        self.slots.fence()   # the global sum in slot 0 is complete on this node
+        self.slots.broadcast_from_first(scale)
+        self.slots.fence()   # every slot holds the mean before anyone reuses it
+
+    def close(self) -> None:
+        """Free the level-2 communicator and the shared window. Collective."""
+        self.inter.close()
+        self.slots.close()
+
+    def __enter__(self) -> "HierarchicalAverager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,118 @@
+"""Keeping replicas identical: model checks and broadcasts from one rank.
+
+* :func:`check_same_parameters` compares every rank's parameter list (names,
+  shapes, dtypes) and raises the same ``ValueError`` on every rank, naming the
+  first difference, instead of letting mismatched buffers hang a collective.
+* :func:`broadcast_parameters` copies parameters and buffers from ``root``.
+* :func:`broadcast_optimizer_state` copies an optimizer's whole state
+  (per-parameter state and hyperparameters of every group) from ``root``,
+  e.g. after rank 0 alone loaded a checkpoint.
+
+Example::
+
+    >>> if rank == 0:
+    ...     optimizer.load_state_dict(torch.load(path, weights_only=True))
+    >>> broadcast_optimizer_state(optimizer, comm)
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+
+from ._agree import agree
+
+__all__ = ["check_same_parameters", "broadcast_parameters",
+           "broadcast_optimizer_state", "broadcast_tensor_"]
+
+Signature = List[Tuple[str, Tuple[int, ...], str]]
+
+
+def _signature(named: Iterable[Tuple[str, torch.Tensor]]) -> Signature:
+    return [(name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in named]
+
+
+def _first_difference(mine: Signature, ref: Signature, rank: int) -> Optional[str]:
+    for i, (a, b) in enumerate(zip(mine, ref)):
+        if a != b:
+            return (f"parameter {i} is {a[0]!r} {a[1]} {a[2]} on rank {rank} but "
+                    f"{b[0]!r} {b[1]} {b[2]} on rank 0")
+    if len(mine) != len(ref):
+        longer, who = (mine, rank) if len(mine) > len(ref) else (ref, 0)
+        extra = longer[min(len(mine), len(ref))]
+        return (f"rank {rank} has {len(mine)} trainable parameters and rank 0 has "
+                f"{len(ref)}; the first extra one is {extra[0]!r} on rank {who}")
+    return None
+
+
+def check_same_parameters(named: Iterable[Tuple[str, torch.Tensor]], comm) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks hold the same list.
+
+    Collective. Compares names, shapes and dtypes in order against rank 0.
+    """
+    signatures = comm.allgather(_signature(named))
+    for rank, sig in enumerate(signatures):
+        diff = _first_difference(sig, signatures[0], rank)
+        if diff is not None:
+            raise ValueError(
+                f"the model differs between ranks: {diff}. Build the same model "
+                "on every rank (same code, same arguments) before wrapping it")
+
+
+def broadcast_tensor_(tensor: torch.Tensor, comm, root: int = 0) -> None:
+    """Overwrite ``tensor`` with its value on ``root``, in place, any device."""
+    if tensor.numel() == 0:
+        return
+    host = tensor.detach()
+    staged = host.device.type != "cpu" or not host.is_contiguous()
+    if staged:
+        host = host.to("cpu", copy=True).contiguous()
+    if host.dtype == torch.bfloat16 or host.dtype == torch.float16:
+        buf = host.view(torch.int16).numpy()
+    elif host.dtype == torch.bool:
+        buf = host.view(torch.uint8).numpy()
+    else:
+        buf = host.numpy()
+    comm.Bcast(buf, root=root)
+    if staged:
+        tensor.detach().copy_(host)
+
+
+def broadcast_parameters(module: torch.nn.Module, comm, root: int = 0) -> None:
+    """Copy every parameter and buffer of ``module`` from ``root``. Collective."""
+    with torch.no_grad():
+        for _, tensor in module.state_dict(keep_vars=True).items():
+            if isinstance(tensor, torch.Tensor):
+                broadcast_tensor_(tensor, comm, root)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm, root: int = 0) -> None:
+    """Make ``optimizer``'s state and hyperparameters equal to ``root``'s. Collective.
+
+    Rank ``root``'s ``state_dict()`` is sent to all ranks (tensors moved to
+    the CPU for the transfer) and loaded there; ``load_state_dict`` moves the
+    state to each parameter's device. Raises on every rank if it fails on any.
+    """
+    state = None
+    if comm.Get_rank() == root:
+        state = _to_cpu(optimizer.state_dict())
+    state = comm.bcast(state, root=root)
+    error = None
+    if comm.Get_rank() != root:
+        try:
+            optimizer.load_state_dict(state)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            error = ValueError(f"optimizer state from rank {root} does not fit: {exc}")
+    agree(comm, error)
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+

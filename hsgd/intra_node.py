@@ -1,0 +1,211 @@
+"""Level 1: averaging inside a node through one MPI shared-memory window.
+
+Every node allocates one window with ``MPI.Win.Allocate_shared``; each local
+rank owns one *slot* in it, laid out by a :class:`Layout` (one aligned
+segment per dtype). Training writes straight into the slots: gradients are
+views into the rank's own slot (see :mod:`hsgd.optimizer`), so backward
+fills shared memory with no copy.
+
+The node reduction is a parallel reduce-scatter in shared memory: with ``k``
+local ranks every segment is cut into ``k`` slices and local rank ``i`` sums
+slice ``i`` over all ``k`` slots, so each rank reads ``n`` elements and the
+work is split ``k`` ways. Within one node (:meth:`SharedSlots.reduce_broadcast`)
+the rank then writes the scaled result into slice ``i`` of every slot: after
+one pass each slot holds the full average. Across nodes the sum goes to slot
+0 first (:meth:`SharedSlots.reduce_to_first`), level 2 reduces it in place,
+and :meth:`SharedSlots.broadcast_from_first` spreads it back.
+
+Memory model: the window stays in one passive ``Lock_all`` epoch for its
+whole life; :meth:`SharedSlots.fence` (``Win.Sync`` + ``Barrier`` +
+``Win.Sync``) separates the phases. A barrier alone does not make stores to
+shared memory visible on every MPI.
+
+Example::
+
+    >>> layout = Layout([(torch.float32, 1000)])
+    >>> with SharedSlots(topo.node_comm, layout) as slots:
+    ...     slots.slot(topo.local_rank, 0).fill_(topo.local_rank)
+    ...     slots.fence()               # all slots written
+    ...     slots.reduce_broadcast(1.0 / topo.local_size)
+    ...     slots.fence()               # every slot holds the mean
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+__all__ = ["Layout", "SharedSlots", "SUPPORTED_DTYPES", "slice_bounds"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64)
+_ALIGN_BYTES = 64          # cache line; every segment and tensor starts on one
+_CHUNK_BYTES = 256 * 1024  # reduce in L2-sized chunks so partial sums stay cached
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+
+
+def slice_bounds(numel: int, parts: int, index: int, align: int = 16) -> Tuple[int, int]:
+    """``[lo, hi)`` of slice ``index`` when ``numel`` elements are cut in ``parts``.
+
+    Slice starts are multiples of ``align`` elements (cache-line friendly);
+    the slices cover ``[0, numel)`` exactly, and some may be empty.
+    """
+    per = -(-numel // parts)
+    per = -(-per // align) * align
+    lo = min(numel, index * per)
+    return lo, min(numel, lo + per)
+
+
+class Layout:
+    """Where each tensor lives in a slot: one segment per dtype, tensors aligned.
+
+    ``Layout(specs)`` takes ``(dtype, numel)`` pairs in order and assigns each
+    a ``(segment, offset)``; tensors of the same dtype share a segment.
+    Unsupported dtypes raise ``TypeError``.
+    """
+
+    def __init__(self, specs: Sequence[Tuple[torch.dtype, int]]):
+        self.dtypes: List[torch.dtype] = []
+        self.numels: List[int] = []
+        self.places: List[Tuple[int, int]] = []
+        for dtype, numel in specs:
+            if dtype not in SUPPORTED_DTYPES:
+                raise TypeError(
+                    f"hsgd averages {', '.join(map(str, SUPPORTED_DTYPES))} tensors; "
+                    f"got {dtype}. Keep master weights in float32 (e.g. torch.autocast "
+                    "for mixed precision) or convert the model with .float()")
+            if dtype not in self.dtypes:
+                self.dtypes.append(dtype)
+                self.numels.append(0)
+            seg = self.dtypes.index(dtype)
+            self.places.append((seg, self.numels[seg]))
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            self.numels[seg] += _aligned(numel * itemsize) // itemsize
+        self.byte_offsets: List[int] = []
+        total = 0
+        for dtype, numel in zip(self.dtypes, self.numels):
+            self.byte_offsets.append(total)
+            total += _aligned(numel * torch.empty((), dtype=dtype).element_size())
+        self.nbytes = max(total, _ALIGN_BYTES)
+
+
+class SharedSlots:
+    """One shared window per node, one slot (a :class:`Layout`) per local rank.
+
+    Collective over ``node_comm`` to build and to :meth:`close`. ``slot(r, s)``
+    is a torch view of segment ``s`` of local rank ``r``'s slot, straight over
+    the shared memory.
+    """
+
+    def __init__(self, node_comm, layout: Layout):
+        self.comm = node_comm
+        self.layout = layout
+        self.local_rank = node_comm.Get_rank()
+        self.local_size = node_comm.Get_size()
+        self.win = MPI.Win.Allocate_shared(layout.nbytes, 1, comm=node_comm)
+        try:
+            self._slots = [self._map_slot(r) for r in range(self.local_size)]
+            # One passive epoch for the window's life; fence() syncs inside it.
+            self.win.Lock_all(MPI.MODE_NOCHECK)
+        except BaseException:
+            self.win.Free()
+            raise
+        self._closed = False
+
+    def _map_slot(self, rank: int) -> List[torch.Tensor]:
+        buf, _ = self.win.Shared_query(rank)
+        raw = np.frombuffer(buf, dtype=np.uint8, count=self.layout.nbytes)
+        views = []
+        for dtype, numel, off in zip(self.layout.dtypes, self.layout.numels,
+                                     self.layout.byte_offsets):
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            views.append(torch.from_numpy(raw[off:off + nbytes]).view(dtype))
+        return views
+
+    def slot(self, rank: int, segment: int) -> torch.Tensor:
+        self._check_open()
+        return self._slots[rank][segment]
+
+    def own(self, segment: int) -> torch.Tensor:
+        return self.slot(self.local_rank, segment)
+
+    def my_slice(self, segment: int) -> Tuple[int, int]:
+        """The ``[lo, hi)`` of ``segment`` this local rank reduces."""
+        return slice_bounds(self.layout.numels[segment], self.local_size, self.local_rank)
+
+    def fence(self) -> None:
+        """Order all slot stores before this call against all loads after it."""
+        self._check_open()
+        self.win.Sync()        # publish this rank's stores to the window
+        self.comm.Barrier()    # wait until every local rank has published
+        self.win.Sync()        # observe the other ranks' stores
+
+    def _chunks(self, segment: int):
+        lo, hi = self.my_slice(segment)
+        step = max(1, _CHUNK_BYTES // self._slots[0][segment].element_size())
+        for start in range(lo, hi, step):
+            yield slice(start, min(hi, start + step))
+
+    def reduce_broadcast(self, scale: float) -> None:
+        """Slice ``i`` of every slot := ``scale`` * sum over slots (one node)."""
+        for seg in range(len(self.layout.dtypes)):
+            slots = [s[seg] for s in self._slots]
+            for sl in self._chunks(seg):
+                acc = slots[0][sl]
+                for other in slots[1:]:
+                    acc.add_(other[sl])
+                if scale != 1.0:
+                    acc.mul_(scale)
+                for other in slots[1:]:
+                    other[sl].copy_(acc)
+
+    def reduce_to_first(self) -> None:
+        """Slice ``i`` of slot 0 := sum of slice ``i`` over all slots."""
+        for seg in range(len(self.layout.dtypes)):
+            slots = [s[seg] for s in self._slots]
+            for sl in self._chunks(seg):
+                acc = slots[0][sl]
+                for other in slots[1:]:
+                    acc.add_(other[sl])
+
+    def broadcast_from_first(self, scale: float) -> None:
+        """Slice ``i`` of every slot := ``scale`` * slice ``i`` of slot 0."""
+        for seg in range(len(self.layout.dtypes)):
+            slots = [s[seg] for s in self._slots]
+            for sl in self._chunks(seg):
+                src = slots[0][sl]
+                if scale != 1.0:
+                    src.mul_(scale)
+                for other in slots[1:]:
+                    other[sl].copy_(src)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("SharedSlots is closed; its shared window was freed")
+
+    def close(self) -> None:
+        """End the lock epoch and free the window. Collective; idempotent.
+
+        Views returned by :meth:`slot` dangle afterwards: copy what you keep.
+        """
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._slots = []
+        self.win.Unlock_all()
+        self.win.Free()
+
+    def __enter__(self) -> "SharedSlots":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,247 @@
+"""HierarchicalSGD under mpiexec: equal to single-process SGD, and safe to misuse."""
+
+import pytest
+import torch
+
+from hsgd import HierarchicalSGD, Topology, broadcast_parameters
+
+from _models import fixed_batch, mlp, shard
+
+STEPS = 10
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "momentum_wd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+}
+
+
+def reference(dtype, make_opt, steps=STEPS, clip=None):
+    """Single-process training on the whole batch."""
+    model = mlp(dtype)
+    opt = make_opt(model.parameters())
+    x, y = fixed_batch(dtype)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_params_close(model, want, dtype):
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for got, exp in zip(model.parameters(), want):
+        torch.testing.assert_close(got.detach(), exp, rtol=tol, atol=tol * exp.abs().max().item())
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("inter_node", ["leader", "sharded"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.filterwarnings("ignore:inter_node='sharded' needs nodes")
+def test_equals_single_process(comm, dtype, inter_node, opt_name):
+    make_opt = OPTIMIZERS[opt_name]
+    x, y = fixed_batch(dtype)
+    xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
+    model = mlp(dtype, seed=comm.rank)  # different init: the broadcast must fix it
+    with Topology.from_comm(comm, ranks_per_node=2) as topo, \
+            HierarchicalSGD(make_opt(model.parameters()), model, topology=topo,
+                            inter_node=inter_node) as opt:
+        for _ in range(STEPS):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xs), ys).backward()
+            opt.step()
+    assert_params_close(model, reference(dtype, make_opt), dtype)
+
+
+@pytest.mark.parametrize("rpn", [1, 3, None])
+def test_equals_single_process_any_layout(comm, rpn):
+    x, y = fixed_batch()
+    model = mlp()
+    make_opt = OPTIMIZERS["momentum_wd"]
+    with Topology.from_comm(comm, ranks_per_node=rpn) as topo, \
+            HierarchicalSGD(make_opt(model.parameters()), model, topology=topo) as opt:
+        for _ in range(STEPS):
+            opt.zero_grad()
+            out = model(shard(x, comm.rank, comm.size))
+            torch.nn.functional.cross_entropy(out, shard(y, comm.rank, comm.size)).backward()
+            opt.step()
+    assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
+
+
+def test_clip_between_synchronize_and_step(comm):
+    x, y = fixed_batch()
+    model = mlp()
+    make_opt = OPTIMIZERS["sgd"]
+    with HierarchicalSGD(make_opt(model.parameters()), model) as opt:
+        for _ in range(STEPS):
+            opt.zero_grad()
+            out = model(shard(x, comm.rank, comm.size))
+            torch.nn.functional.cross_entropy(out, shard(y, comm.rank, comm.size)).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            with opt.skip_synchronize():
+                opt.step()
+    assert_params_close(model, reference(torch.float64, make_opt, clip=0.05), torch.float64)
+
+
+def test_accumulation_over_micro_batches(comm):
+    x, y = fixed_batch()
+    xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
+    half = xs.shape[0] // 2
+    model = mlp()
+    make_opt = OPTIMIZERS["momentum_wd"]
+    with HierarchicalSGD(make_opt(model.parameters()), model, backward_passes_per_step=2) as opt:
+        for _ in range(STEPS):
+            opt.zero_grad()
+            for part in (slice(0, half), slice(half, None)):
+                torch.nn.functional.cross_entropy(model(xs[part]), ys[part]).backward()
+            opt.step()
+    assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(4, 4).double()
+        self.branch = torch.nn.Linear(4, 1).double()
+
+    def forward(self, x, use_branch):
+        h = self.trunk(x)
+        return h.sum() + (self.branch(h).sum() if use_branch else 0.0)
+
+
+def test_unused_branch_counts_as_zero(comm):
+    model = Branchy()
+    x = torch.ones(2, 4, dtype=torch.float64)
+    with HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.0), model) as opt:
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            model(x, use_branch=comm.rank == 0).backward()
+            opt.step()
+        ref = Branchy()
+        ref(x, use_branch=True).backward()
+        want = ref.branch.weight.grad / comm.size
+        torch.testing.assert_close(model.branch.weight.grad, want)
+
+
+def test_model_replaced_grads_are_picked_up(comm):
+    """A user zeroing through the model (set_to_none) must not lose gradients."""
+    x, y = fixed_batch()
+    model = mlp()
+    make_opt = OPTIMIZERS["sgd"]
+    with HierarchicalSGD(make_opt(model.parameters()), model) as opt:
+        for _ in range(STEPS):
+            model.zero_grad(set_to_none=True)
+            out = model(shard(x, comm.rank, comm.size))
+            torch.nn.functional.cross_entropy(out, shard(y, comm.rank, comm.size)).backward()
+            opt.step()
+    assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
+
+
+@pytest.mark.parametrize("culprit", ["shape", "count", "dtype"])
+def test_mismatched_models_raise_on_every_rank(comm, culprit):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to differ")
+    model = mlp()
+    if comm.rank == comm.size - 1:
+        if culprit == "shape":
+            model = mlp(hidden=17)
+        elif culprit == "count":
+            model.append(torch.nn.Linear(3, 3).double())
+        else:
+            model = mlp(dtype=torch.float32)
+    with pytest.raises(ValueError, match="differs between ranks"):
+        HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+
+def test_different_settings_raise_on_every_rank(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to differ")
+    model = mlp()
+    with pytest.raises(ValueError, match="different HierarchicalSGD settings"):
+        HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                        inter_node="leader" if comm.rank else "sharded")
+
+
+def test_bad_argument_on_one_rank_raises_everywhere(comm):
+    model = mlp()
+    period = 0 if comm.rank == 0 else 1
+    with pytest.raises(ValueError, match="intra_period"):
+        HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                        average="parameters", intra_period=period)
+
+
+@pytest.mark.parametrize("intra,inter", [(1, 1), (2, 3), (3, 1)])
+def test_parameter_averaging_fires_at_expected_steps(comm, intra, inter):
+    """Rank r's gradient is r + 1; simulate every rank's scalar in plain floats."""
+    with Topology.from_comm(comm, ranks_per_node=2) as topo:
+        nodes = [list(range(s, min(s + 2, comm.size))) for s in range(0, comm.size, 2)]
+        model = torch.nn.Linear(1, 1, bias=False).double()
+        opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=1.0), model,
+                              topology=topo, average="parameters",
+                              intra_period=intra, inter_period=inter)
+        sim = [model.weight.item()] * comm.size
+        for t in range(13):
+            opt.zero_grad()
+            model.weight.grad = torch.full_like(model.weight, comm.rank + 1.0)
+            opt.step()
+            sim = [w - (r + 1.0) for r, w in enumerate(sim)]
+            if t % (intra * inter) == 0:
+                sim = [sum(sim) / len(sim)] * len(sim)
+            elif t % intra == 0:
+                for node in nodes:
+                    mean = sum(sim[r] for r in node) / len(node)
+                    for r in node:
+                        sim[r] = mean
+            assert model.weight.item() == pytest.approx(sim[comm.rank], rel=1e-12), t
+        opt.close()
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
+                                  "Adamax", "NAdam", "RAdam", "ASGD", "Rprop"])
+def test_state_broadcast_after_rank0_loads(comm, name):
+    model = mlp()
+    kwargs = {"lr": 0.01}
+    if name == "SGD":
+        kwargs["momentum"] = 0.9
+    opt = HierarchicalSGD(getattr(torch.optim, name)(model.parameters(), **kwargs), model)
+    if comm.rank == 0:  # rank 0 alone loads a checkpoint with state and a changed lr
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.optimizer.step()
+        opt.param_groups[0]["lr"] = 0.123
+        opt.num_steps = 7
+        opt.load_state_dict(opt.state_dict())
+    opt.broadcast_state()
+    broadcast_parameters(model, comm)
+    states = comm.allgather(opt.state_dict())
+    ref = states[0]
+    assert opt.param_groups[0]["lr"] == 0.123 and opt.num_steps == 7
+    for key, value in ref["state"].items():
+        for k, v in value.items():
+            mine = opt.state_dict()["state"][key][k]
+            torch.testing.assert_close(torch.as_tensor(mine), torch.as_tensor(v), rtol=0, atol=0)
+    opt.close()
+
+
+def test_close_keeps_values_and_use_after_close_raises(comm):
+    x, y = fixed_batch()
+    model = mlp()
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(shard(x, comm.rank, comm.size)),
+                                      shard(y, comm.rank, comm.size)).backward()
+    opt.synchronize()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.close()
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
+        p.grad.add_(1.0)  # private storage now: writable without touching freed memory
+    for call in (opt.step, opt.zero_grad, opt.synchronize):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    opt.close()  # idempotent
+

@@ -1,0 +1,56 @@
+"""Topology under mpiexec: node layouts, virtual nodes, bad settings."""
+
+import pytest
+
+from hsgd import Topology
+
+
+def expected_nodes(size, rpn):
+    if rpn is None:
+        return [size]  # one physical host
+    return [min(rpn, size - start) for start in range(0, size, rpn)]
+
+
+@pytest.mark.parametrize("rpn", [1, 2, 3, None])
+def test_layout(comm, rpn):
+    with Topology.from_comm(comm, ranks_per_node=rpn) as topo:
+        sizes = expected_nodes(comm.size, rpn)
+        assert list(topo.node_sizes) == sizes
+        assert topo.num_nodes == len(sizes)
+        per = rpn or comm.size
+        assert topo.node_index == comm.rank // per
+        assert topo.local_rank == comm.rank % per
+        assert topo.local_size == sizes[topo.node_index]
+        assert topo.is_leader == (topo.local_rank == 0)
+        assert (topo.leader_comm is not None) == topo.is_leader
+        if topo.is_leader:
+            assert topo.leader_comm.size == topo.num_nodes
+        assert topo.node_comm.size == topo.local_size
+
+
+def test_env_variable(comm, monkeypatch):
+    monkeypatch.setenv("HSGD_RANKS_PER_NODE", "2")
+    with Topology.from_comm(comm) as topo:
+        assert list(topo.node_sizes) == expected_nodes(comm.size, 2)
+    with Topology.from_comm(comm, ranks_per_node=1) as topo:  # argument wins
+        assert topo.num_nodes == comm.size
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5"])
+def test_bad_env_raises_everywhere(comm, monkeypatch, bad):
+    monkeypatch.setenv("HSGD_RANKS_PER_NODE", bad)
+    with pytest.raises(ValueError, match="HSGD_RANKS_PER_NODE"):
+        Topology.from_comm(comm)
+
+
+def test_bad_value_on_one_rank_raises_everywhere(comm):
+    rpn = 0 if comm.rank == comm.size - 1 else 2
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        Topology.from_comm(comm, ranks_per_node=rpn)
+
+
+def test_disagreeing_values_raise_everywhere(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    with pytest.raises(ValueError, match="disagree"):
+        Topology.from_comm(comm, ranks_per_node=1 + (comm.rank == 0))
