@@ -32,14 +32,13 @@ def mpiexec() -> str:
 def run_mpi(nprocs: int, args, timeout: float = TIMEOUT_S, env=None):
     """Run ``python args`` on ``nprocs`` ranks; fail with the output on error."""
     cmd = [mpiexec(), "-n", str(nprocs), sys.executable, *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                **(env or {})}
-    full_env.pop("HSGD_RANKS_PER_NODE", None) if env is None else None
+    full_env = {k: v for k, v in os.environ.items() if k != "HSGD_RANKS_PER_NODE"}
+    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})})
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True,
                               text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
         pytest.fail(f"{' '.join(cmd)} hung for more than {timeout} s; output:\n{out[-8000:]}")
     return proc
 
@@ -54,3 +53,10 @@ def test_mpi_suite(nprocs):
     passed = [int(n) for n in re.findall(r"(\d+) passed", output)]
     assert len(passed) == nprocs and min(passed) > 0, (
         f"expected a pytest summary with passed tests from each of {nprocs} ranks:\n{output[-4000:]}")
+
+
+def test_main_job_trains_under_mpiexec():
+    proc = run_mpi(2, ["-m", "hsgd.train", "--steps", "60", "--ranks-per-node", "1"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", proc.stderr)]
+    assert len(losses) >= 3 and losses[-1] < 0.5 * losses[0], proc.stderr
