@@ -1,0 +1,128 @@
+"""Opening and validating the loader's input, so that every rank decides the same.
+
+:class:`~hsgd.parallel_io.ContiguousH5Loader` runs :func:`open_checked` on
+every rank and agrees on the outcome (a bad path on one rank raises on all),
+then :func:`check_settings_agree` compares the order-defining settings of
+all ranks (a different ``batch_size`` on one rank would otherwise give it a
+different batch count and hang the others), then :func:`scan_labels` checks
+each rank's share of the labels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import h5py
+import numpy as np
+
+from ._agree import agree
+from ._data_checks import (check_file, check_labels_nonnegative, check_lengths,
+                           check_x_dtype, check_y, missing_key_error)
+from ._h5source import H5Source
+from ._io_plan import default_block_size, default_window_blocks, rank_range
+
+__all__ = ["open_checked", "check_settings_agree", "scan_labels", "list_datasets",
+           "loader_block_size"]
+
+_SCAN_ROWS = 1 << 20
+
+
+def list_datasets(file: h5py.File):
+    """``(name, shape, dtype)`` of every data set in ``file``, inside groups too."""
+    found = []
+    file.visititems(lambda name, obj: found.append((name, obj.shape, str(obj.dtype)))
+                    if isinstance(obj, h5py.Dataset) else None)
+    return found
+
+
+def loader_block_size(dataset) -> int:
+    """The block size (samples) the loader uses by default for an h5py data set."""
+    sample_bytes = dataset.dtype.itemsize * math.prod(dataset.shape[1:])
+    return default_block_size(sample_bytes, dataset.chunks[0] if dataset.chunks else None)
+
+
+def _get(file, key):
+    try:
+        return file.get(key)
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def _check_int(name, value, minimum, optional=False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"Invalid {name}: {value!r}; it must be an integer >= {minimum}")
+
+
+def _check_args(loader, block_size, window_blocks) -> None:
+    _check_int("batch_size", loader.batch_size, 1)
+    _check_int("seed", loader.seed, 0)
+    _check_int("block_size", block_size, 1, optional=True)
+    _check_int("window_blocks", window_blocks, 1, optional=True)
+    _check_int("prefetch", loader.prefetch, 0)
+    if not loader.pad and loader.drop_last:
+        raise ValueError("pad=False only applies with drop_last=False; set "
+                         "drop_last=False, pad=False to see every sample exactly once")
+    for name in ("x_key", "y_key"):
+        if not isinstance(getattr(loader, name), str):
+            raise ValueError(f"Invalid {name}: {getattr(loader, name)!r}; pass the name "
+                             "of a data set in the file, e.g. 'x'")
+
+
+def _check_datasets(file, path, x_key, y_key) -> None:
+    for key, argument in ((x_key, "x_key"), (y_key, "y_key")):
+        if not isinstance(_get(file, key), h5py.Dataset):
+            raise missing_key_error(path, key, list_datasets(file), argument)
+    x, y = file[x_key], file[y_key]
+    if x.ndim == 0:
+        raise ValueError(f"x data set '{x_key}' is a scalar; it needs one row per sample")
+    check_x_dtype(x.dtype, x_key)
+    check_y(y.dtype, y.shape, y_key)
+    check_lengths(len(x), len(y), x_key, y_key)
+
+
+def open_checked(loader, block_size, window_blocks):
+    """Validate the loader's arguments and file.
+
+    Returns ``(H5Source, block_size, window_blocks)``, defaults resolved.
+    """
+    _check_args(loader, block_size, window_blocks)
+    check_file(loader.path)
+    file = h5py.File(loader.path, "r")
+    try:
+        _check_datasets(file, loader.path, loader.x_key, loader.y_key)
+        try:
+            rank_range(len(file[loader.y_key]), loader.world_size, loader.rank,
+                       loader.batch_size, loader.drop_last, loader.pad)
+        except ValueError as exc:
+            raise ValueError(f"'{loader.path}' ('{loader.x_key}'): {exc}") from None
+        source = H5Source(file, loader.x_key, loader.y_key, direct=loader.direct_reads)
+    except BaseException:
+        file.close()
+        raise
+    block_size = int(block_size or loader_block_size(source.x))
+    sample_bytes = source.x.dtype.itemsize * math.prod(source.sample_shape)
+    return source, block_size, int(window_blocks or
+                                   default_window_blocks(block_size, sample_bytes))
+
+
+def check_settings_agree(comm, settings: dict) -> None:
+    """Raise on every rank (through :func:`agree`) if any rank's settings differ from rank 0's."""
+    everyone, error = comm.allgather(settings), None
+    for rank, theirs in enumerate(everyone):
+        differ = [f"{key}: rank 0 has {everyone[0][key]!r}, rank {rank} has {value!r}"
+                  for key, value in theirs.items() if value != everyone[0][key]]
+        if differ and error is None:
+            error = ValueError("ranks disagree on loader settings (" + "; ".join(differ)
+                               + "); pass the same file and arguments on every rank")
+    agree(comm, error)
+
+
+def scan_labels(source: H5Source, y_key: str, start: int, stop: int) -> None:
+    """Raise if any label in rows ``[start, stop)`` is negative (one slab at a time)."""
+    if np.dtype(source.y.dtype).kind != "i":
+        return
+    for lo in range(start, stop, _SCAN_ROWS):
+        hi = min(stop, lo + _SCAN_ROWS)
+        check_labels_nonnegative(source.y[lo:hi], y_key, offset=lo)
