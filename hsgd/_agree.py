@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["agree", "check_all"]
+__all__ = ["agree", "check_all", "on_root", "collective_error"]
 
 # Exception types that may cross ranks; anything else becomes RuntimeError.
 _KNOWN = {
@@ -32,8 +32,18 @@ def agree(comm, error: Optional[BaseException]) -> None:
     verdicts = comm.allgather(mine)
     for verdict in verdicts:
         if verdict is not None:
-            name, message = verdict
-            raise _KNOWN.get(name, RuntimeError)(message)
+            raise collective_error(_KNOWN.get(verdict[0], RuntimeError), verdict[1])
+
+
+def collective_error(cls, message: str) -> Exception:
+    """An exception marked as raised on every rank alike (``exc.hsgd_agreed``).
+
+    Entry points exit cleanly on a marked exception (every rank has it) and
+    abort the MPI job on an unmarked one (it may be on this rank alone).
+    """
+    exc = cls(message)
+    exc.hsgd_agreed = True
+    return exc
 
 
 def check_all(comm, func, *args, **kwargs):
@@ -47,3 +57,18 @@ def check_all(comm, func, *args, **kwargs):
         result, error = None, exc
     agree(comm, error)
     return result
+
+
+def on_root(comm, func, *args, root: int = 0, **kwargs):
+    """Run ``func`` on ``root`` only and broadcast its result to every rank.
+
+    If it raises there, every rank raises the same exception. Collective.
+    """
+    result, error = None, None
+    if comm.Get_rank() == root:
+        try:
+            result = func(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised collectively below
+            error = exc
+    agree(comm, error)
+    return comm.bcast(result, root=root)

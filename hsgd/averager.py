@@ -58,6 +58,9 @@ class HierarchicalAverager:
             raise
         self.seconds = {"intra": 0.0, "inter": 0.0}
         self.calls = 0
+        # Optional callback(phase, start, end) with perf_counter times, e.g.
+        # hsgd.metrics.PhaseClock.record for the trainer's time breakdown.
+        self.on_phase = None
 
     @property
     def inter_node(self) -> str:
@@ -85,7 +88,10 @@ class HierarchicalAverager:
     def _timed(self, key: str, fn, *args) -> None:
         start = time.perf_counter()
         fn(*args)
-        self.seconds[key] += time.perf_counter() - start
+        end = time.perf_counter()
+        self.seconds[key] += end - start
+        if self.on_phase is not None:
+            self.on_phase(key, start, end)
 
     def _node_mean(self, scale: float) -> None:
         if self.slots.local_size == 1:

@@ -21,9 +21,9 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 
-from ._agree import agree
+from ._agree import agree, collective_error
 
-__all__ = ["check_same_parameters", "broadcast_parameters",
+__all__ = ["check_same_parameters", "broadcast_parameters", "average_buffers", "averaged_state_dict",
            "broadcast_optimizer_state", "broadcast_tensor_"]
 
 Signature = List[Tuple[str, Tuple[int, ...], str]]
@@ -55,9 +55,9 @@ def check_same_parameters(named: Iterable[Tuple[str, torch.Tensor]], comm) -> No
     for rank, sig in enumerate(signatures):
         diff = _first_difference(sig, signatures[0], rank)
         if diff is not None:
-            raise ValueError(
+            raise collective_error(ValueError, (
                 f"the model differs between ranks: {diff}. Build the same model "
-                "on every rank (same code, same arguments) before wrapping it")
+                "on every rank (same code, same arguments) before wrapping it"))
 
 
 def broadcast_tensor_(tensor: torch.Tensor, comm, root: int = 0) -> None:
@@ -116,3 +116,45 @@ def _to_cpu(obj):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
 
+
+
+def average_buffers(module: torch.nn.Module, comm) -> None:
+    """Average floating-point buffers (e.g. BatchNorm running statistics) over ranks.
+
+    Gradient averaging keeps parameters identical but not buffers, which each
+    rank updates from its own batches. Call this before evaluating or saving,
+    so that every rank holds the same model. Integer buffers (batch counters)
+    are taken from rank 0. Collective.
+    """
+    from mpi4py import MPI
+
+    with torch.no_grad():
+        for buf in module.buffers():
+            if not buf.is_floating_point():
+                broadcast_tensor_(buf, comm, 0)
+                continue
+            host = buf.detach().to("cpu", torch.float64, copy=True).contiguous()
+            comm.Allreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM)
+            buf.copy_(host.div_(comm.Get_size()))
+
+
+def averaged_state_dict(module: torch.nn.Module, comm) -> dict:
+    """``module.state_dict()`` with floating-point entries averaged over ranks, on the CPU.
+
+    The module itself is not changed. Synchronous replicas are identical, so
+    this is their common value; with local SGD it is the model a checkpoint
+    should hold. Integer entries are rank 0's. Collective.
+    """
+    from mpi4py import MPI
+
+    averaged = {}
+    for key, value in module.state_dict().items():
+        value = value.detach().to("cpu", copy=True).contiguous()
+        if value.is_floating_point() and comm.Get_size() > 1:
+            total = value.to(torch.float64)
+            comm.Allreduce(MPI.IN_PLACE, total.numpy(), op=MPI.SUM)
+            value = total.div_(comm.Get_size()).to(value.dtype)
+        elif comm.Get_size() > 1:
+            broadcast_tensor_(value, comm, 0)
+        averaged[key] = value
+    return averaged

@@ -45,7 +45,7 @@ import warnings
 
 import torch
 
-from ._agree import agree
+from ._agree import agree, collective_error
 from ._binding import SlotBinding
 from .averager import HierarchicalAverager
 from .broadcast import broadcast_optimizer_state, broadcast_parameters, check_same_parameters
@@ -131,16 +131,19 @@ class HierarchicalSGD:
             error = exc
         agree(comm, error)
         if len(set(map(repr, comm.allgather(settings)))) > 1:
-            raise ValueError("ranks were given different HierarchicalSGD settings "
-                             "(inter_node, average, periods); pass the same on every rank")
+            raise collective_error(ValueError, "ranks were given different HierarchicalSGD "
+                                   "settings (inter_node, average, periods); pass the same on every rank")
         if average == "gradients" and (intra_period, inter_period) != (1, 1):
             warnings.warn("intra_period and inter_period only apply to "
                           "average='parameters'; they are ignored", stacklevel=3)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("the model has no trainable parameters")
         check_same_parameters(named, comm)
-        layout = Layout([(p.dtype, p.numel()) for _, p in named])  # same on all ranks now
+        if not named:  # the same on every rank now
+            raise collective_error(ValueError, "the model has no trainable parameters")
+        try:
+            layout = Layout([(p.dtype, p.numel()) for _, p in named])
+        except TypeError as exc:  # same dtypes on every rank, so the same error
+            raise collective_error(TypeError, str(exc)) from None
         if broadcast:
             broadcast_parameters(model, comm)
         self.optimizer, self.model = optimizer, model

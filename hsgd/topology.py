@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 from mpi4py import MPI
 
-from ._agree import agree
+from ._agree import agree, collective_error
 
 __all__ = ["Topology", "ENV_RANKS_PER_NODE"]
 
@@ -124,7 +124,7 @@ class Topology:
         # Every rank must use the same virtual node size, or the splits differ.
         settings = set(comm.allgather(rpn))
         if len(settings) > 1:
-            raise ValueError(
+            raise collective_error(ValueError,
                 f"ranks disagree on ranks_per_node / {ENV_RANKS_PER_NODE}: "
                 f"{sorted(settings, key=str)}; set the same value on every rank")
         return cls._build(comm, rpn)

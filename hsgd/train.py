@@ -1,97 +1,275 @@
-"""Train a model with HierarchicalSGD: the main job.
+"""Data-parallel training with HierarchicalSGD: the main job.
 
 Launch::
 
-    mpiexec -n 4 python -m hsgd.train
-    mpiexec -n 4 python -m hsgd.train --steps 300 --ranks-per-node 2 --inter-node sharded
+    mpiexec -n 4 python -m hsgd.train                      # MNIST-1D, the paper's CNN
+    mpiexec -n 4 python -m hsgd.train --optimizer lars --lr 2 --batch-size 4096 --scale-lr
+    mpiexec -n 8 python -m hsgd.train --data my.h5 --x-key x --y-key y --model resnet
+    srun --mpi=pmi2 python -m hsgd.train --run-dir runs/a --resume   # see scripts/slurm/
+    python -m hsgd.train --help                            # every option, with defaults
 
-This first version trains a small MLP on a synthetic regression task (a fixed
-random teacher network, 16 inputs, 3 outputs, label noise 0.1) so that the
-averaging path runs end to end; every rank draws its own shard of each global
-batch. Rank 0 prints the loss every ``--log-every`` steps and the final test
-MSE next to the noise floor (the MSE of the teacher itself).
+With no ``--data``, rank 0 generates MNIST-1D (offline, package ``mnist1d``)
+into a cache directory the first time; every rank then reads its share through
+:class:`~hsgd.parallel_io.ContiguousH5Loader`. Each run writes ``RUN_DIR``
+with ``config.json``, ``metrics.jsonl`` (see :mod:`hsgd.report`) and
+``checkpoints/``. On SIGUSR1 or SIGTERM (Slurm's warning before the time
+limit) every rank finishes its step, a checkpoint is written and the job
+exits with status 75 so that the batch script requeues it; ``--resume``
+continues from the latest checkpoint with the same result as a run that was
+never stopped. Bad input prints one message from rank 0 and exits with 2.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import logging
+import os
+import signal
 import sys
 import time
+import traceback
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
+from mpi4py import MPI
 
 from . import HierarchicalSGD, Topology
+from ._agree import check_all, collective_error, on_root
+from ._progress import Progress
+from .checkpoint import check_writable, save_checkpoint
+from .config import TrainConfig, parse_config
+from .metrics import MetricsLog, PhaseClock, write_timeline
+from .models import build_model
+from .parallel_io import ContiguousH5Loader
+from .training import (checkpoint_state, dataset_length, evaluate, make_optimizer, make_scheduler,
+                       num_classes, prepare_data, restore, resume_state, test_batch_size)
 
 logger = logging.getLogger("hsgd.train")
 
-NOISE = 0.1
+EXIT_BAD_INPUT = 2
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint written after a signal; requeue and --resume
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hsgd.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
-    p.add_argument("--batch-size", type=int, default=256, help="global batch (default 256)")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
-    p.add_argument("--inter-node", choices=["leader", "sharded"], default="leader")
-    p.add_argument("--average", choices=["gradients", "parameters"], default="gradients")
-    p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="virtual node size (default: physical nodes)")
-    p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "log_every"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.lr <= 0:
-        p.error(f"--lr must be positive, got {args.lr}")
-    return args
+class StopSignal:
+    """Remembers SIGUSR1/SIGTERM; ranks agree on it at the next log step."""
+
+    def __init__(self):
+        self.received = 0.0
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = 1.0
 
 
-def teacher_data(n: int, gen: torch.Generator):
-    torch.manual_seed(12345)  # the teacher is the same on every rank
-    teacher = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
-    x = torch.randn(n, 16, generator=gen)
-    with torch.no_grad():
-        y = teacher(x) + NOISE * torch.randn(n, 3, generator=gen)
-    return x, y
+def setup(cfg: TrainConfig, comm):
+    """Topology, logging, threads, device and run directory."""
+    topo = Topology.from_comm(comm, ranks_per_node=cfg.ranks_per_node)
+    logging.basicConfig(level=logging.INFO if topo.rank == 0 else logging.WARNING,
+                        format=f"[rank {topo.rank}] %(message)s", stream=sys.stderr)
+    torch.set_num_threads(cfg.threads or _default_threads(topo.local_size))
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        check_all(comm, _check_cuda)
+        torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
+    device = torch.device("cuda" if use_cuda else "cpu")
+    run_dir = Path(on_root(comm, _make_run_dir, cfg))
+    ckpt_dir = Path(cfg.checkpoint_dir or run_dir / "checkpoints")
+    on_root(comm, check_writable, ckpt_dir)
+    return topo, device, run_dir, ckpt_dir
+
+
+def _default_threads(local_size: int) -> int:
+    """What the launcher gave each rank (SLURM_CPUS_PER_TASK, OMP_NUM_THREADS), else a fair share."""
+    for var in ("SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS"):
+        if os.environ.get(var, "").isdigit() and int(os.environ[var]) > 0:
+            return int(os.environ[var])
+    return max(1, len(os.sched_getaffinity(0)) // local_size)
+
+
+def _check_cuda():
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no GPU; use --device cpu or auto")
+
+
+def _make_run_dir(cfg: TrainConfig) -> str:
+    run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    except OSError as exc:
+        raise PermissionError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
+                              "pass a writable --run-dir") from None
+    return str(run_dir)
+
+
+def build(cfg, topo, device):
+    """Data loaders, model, optimizer, schedule: the same on every rank."""
+    comm = topo.comm
+    if cfg.batch_size % topo.size:
+        raise collective_error(ValueError, f"--batch-size {cfg.batch_size} is the global batch and "
+                               f"must be a multiple of the {topo.size} ranks, e.g. "
+                               f"{cfg.batch_size - cfg.batch_size % topo.size or topo.size}")
+    train_path, test_path = prepare_data(cfg, comm)
+    n = dataset_length(train_path, cfg.y_key, comm)
+    if n is not None and n < cfg.batch_size:
+        raise collective_error(ValueError, f"--batch-size {cfg.batch_size} is larger than the {n} "
+                               f"training samples in {train_path}; use --batch-size <= "
+                               f"{max(topo.size, n - n % topo.size)} or more data")
+    train = ContiguousH5Loader(train_path, cfg.x_key, cfg.y_key, batch_size=cfg.batch_size // topo.size,
+                               comm=comm, seed=cfg.seed)
+    test = ContiguousH5Loader(test_path, cfg.test_x_key, cfg.test_y_key, comm=comm, shuffle=False,
+                              drop_last=False, pad=False, check_labels=False,
+                              batch_size=test_batch_size(test_path, cfg.test_y_key, comm))
+    classes = num_classes(train_path, cfg.y_key, comm)
+    torch.manual_seed(cfg.seed)
+    model = check_all(comm, build_model, cfg.model, train.sample_shape, classes).to(device)
+    inner = make_optimizer(cfg, model)
+    scheduler = make_scheduler(cfg, inner, len(train))
+    opt = HierarchicalSGD(inner, model, topology=topo, inter_node=cfg.inter_node,
+                          average=cfg.average, intra_period=cfg.intra_period,
+                          inter_period=cfg.inter_period)
+    logger.info("%s; %d train / %d test samples of shape %s, %d classes; %s %s",
+                opt, train.num_samples, test.num_samples, tuple(train.sample_shape), classes,
+                cfg.model, cfg.optimizer)
+    return train, test, model, opt, scheduler
+
+
+def train(cfg: TrainConfig, comm) -> int:
+    topo, device, run_dir, ckpt_dir = setup(cfg, comm)
+    is_main = topo.rank == 0
+    train_loader, test_loader, model, opt, scheduler = build(cfg, topo, device)
+    step, epoch = 0, 0
+    if cfg.resume:
+        state = resume_state(cfg, ckpt_dir, model, comm)
+        if state is not None:
+            step, epoch = restore(state, model, opt, scheduler, train_loader, comm)
+        elif is_main:
+            logger.info("no checkpoint in %s: starting afresh", ckpt_dir)
+    clock = PhaseClock(topo.rank, trace=cfg.timeline is not None)
+    opt.averager.on_phase = clock.record
+    log = MetricsLog(run_dir, enabled=is_main)
+    stopper = StopSignal()
+    progress = Progress(cfg.progress, is_main, len(train_loader))
+
+    def save():
+        state = checkpoint_state(cfg, model, opt, scheduler, train_loader, step, epoch, comm)
+        on_root(comm, save_checkpoint, ckpt_dir, state, step)
+
+    run_steps, stop, best = 0, None, 0.0
+    while epoch < cfg.epochs and stop is None:
+        train_loader.set_epoch(epoch)
+        progress.start_epoch(epoch, train_loader.position)
+        epoch_start, sums = time.perf_counter(), torch.zeros(4, dtype=torch.float64)
+        epoch_time = Counter()
+        window, window_start = torch.zeros(4, dtype=torch.float64), time.perf_counter()
+        batches = iter(train_loader)
+        while True:
+            with clock.phase("data"):
+                batch = next(batches, None)
+            if batch is None:
+                break
+            loss, correct, n = _train_step(model, opt, batch, device, clock)
+            scheduler.step()
+            step, run_steps = step + 1, run_steps + 1
+            window += torch.tensor([loss * n, correct, n, 0.0], dtype=torch.float64)
+            if step % cfg.log_every == 0:
+                window[3] = stopper.received
+                comm.Allreduce(MPI.IN_PLACE, window.numpy(), op=MPI.SUM)
+                elapsed = time.perf_counter() - window_start
+                times = clock.take()
+                epoch_time.update(times)
+                record = dict(epoch=epoch, step=step, loss=(window[0] / window[2]).item(),
+                              lr=scheduler.get_last_lr()[0],
+                              samples_per_s=window[2].item() / elapsed, time=times)
+                log.write("step", **record)
+                progress.update(record)
+                stop = "signal" if window[3] > 0 else None
+                sums += window
+                window.zero_()
+                window_start = time.perf_counter()
+            progress.advance()
+            if cfg.stop_after and run_steps >= cfg.stop_after:
+                stop = stop or "stop-after"
+            if stop:
+                break
+            if cfg.save_every and step % cfg.save_every == 0:
+                save()
+        window[3] = stopper.received
+        comm.Allreduce(MPI.IN_PLACE, window.numpy(), op=MPI.SUM)
+        sums += window
+        if stop is None and window[3] > 0:
+            stop = "signal"
+        if batch is None:  # the epoch ran to its end
+            epoch += 1
+            with clock.phase("eval"):
+                test_loss, test_acc = evaluate(model, test_loader, comm, device)
+            epoch_time.update(clock.take())
+            best = max(best, test_acc)
+            seconds = time.perf_counter() - epoch_start
+            record = dict(epoch=epoch - 1, step=step, train_loss=(sums[0] / sums[2]).item(),
+                          train_acc=(sums[1] / sums[2]).item(), test_loss=test_loss,
+                          test_acc=test_acc, lr=scheduler.get_last_lr()[0],
+                          samples_per_s=sums[2].item() / seconds, seconds=seconds,
+                          time=dict(epoch_time))
+            log.write("epoch", **record)
+            progress.end_epoch(record)
+        save()
+    progress.close()
+    log.close()
+    if cfg.timeline:
+        events = comm.gather(clock.events, root=0)
+        if is_main:
+            logger.info("timeline: %s", write_timeline(cfg.timeline, events))
+    if is_main:
+        logger.info("%s after %d steps; best test accuracy %.2f%%; run directory %s",
+                    "stopped (" + stop + ")" if stop else "done", step, 100 * best, run_dir)
+    opt.close()
+    topo.close()
+    return EXIT_REQUEUE if stop == "signal" else 0
+
+
+def _train_step(model, opt, batch, device, clock):
+    """Forward, backward, average, update; returns (loss, correct, samples) as floats."""
+    x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+    with clock.phase("compute"):
+        opt.zero_grad()
+        out = model(x)
+        loss = torch.nn.functional.cross_entropy(out, y)
+        loss.backward()
+    start, comm_before = time.perf_counter(), clock.total("intra", "inter")
+    opt.step()
+    end = time.perf_counter()
+    # The optimizer update counts as compute; its averaging is already in intra/inter.
+    clock.record("compute", start, end, seconds=(end - start) - (clock.total("intra", "inter") - comm_before))
+    correct = (out.argmax(1) == y).sum().item()
+    return loss.item(), float(correct), float(y.numel())
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    topo = Topology.from_comm(ranks_per_node=args.ranks_per_node)
-    is_main = topo.rank == 0
-    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
-                        format=f"[rank {topo.rank}] %(message)s")
-    if args.batch_size % topo.size:
-        if is_main:
-            logger.error("--batch-size %d must be a multiple of the %d ranks", args.batch_size, topo.size)
-        return 2
-    torch.manual_seed(args.seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
-    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), model,
-                          topology=topo, inter_node=args.inter_node, average=args.average)
-    logger.info("%s", opt)
-    gen = torch.Generator().manual_seed(args.seed + 1000 * topo.rank)  # each rank its own shard
-    local = args.batch_size // topo.size
-    start = time.perf_counter()
-    for step in range(args.steps):
-        x, y = teacher_data(local, gen)
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        if is_main and (step % args.log_every == 0 or step == args.steps - 1):
-            logger.info("step %4d  loss %.4f", step, loss.item())
-    x, y = teacher_data(4096, torch.Generator().manual_seed(999))
-    with torch.no_grad():
-        test_mse = torch.nn.functional.mse_loss(model(x), y).item()
-    logger.info("test MSE %.4f (noise floor %.4f), %.1f s", test_mse, NOISE ** 2,
-                time.perf_counter() - start)
-    opt.close()
-    topo.close()
-    return 0
+    comm = MPI.COMM_WORLD
+    try:
+        cfg = parse_config(argv, quiet=comm.Get_rank() != 0)
+    except SystemExit as exc:  # --help, or an argparse error (printed by rank 0)
+        return int(exc.code or 0)
+    problem = cfg.validate()  # the same on every rank: plain argument checks
+    if problem:
+        if comm.Get_rank() == 0:
+            print(f"python -m hsgd.train: error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        return train(cfg, comm)
+    except Exception as exc:  # noqa: BLE001 - sorted below
+        if getattr(exc, "hsgd_agreed", False):  # raised on every rank alike
+            if comm.Get_rank() == 0:
+                print(f"python -m hsgd.train: error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        traceback.print_exc()
+        sys.stderr.flush()
+        comm.Abort(1)  # this rank alone may have failed: never leave the others hanging
+        return 1
 
 
 if __name__ == "__main__":

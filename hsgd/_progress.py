@@ -1,0 +1,57 @@
+"""What rank 0 shows while training: a tqdm bar on a terminal, else epoch lines."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+__all__ = ["Progress"]
+
+logger = logging.getLogger("hsgd.train")
+
+
+def _comm_share(times: dict) -> float:
+    busy = sum(times.get(k, 0.0) for k in ("data", "compute", "intra", "inter"))
+    return (times.get("intra", 0.0) + times.get("inter", 0.0)) / busy if busy else 0.0
+
+
+class Progress:
+    """``mode``: auto (bar if stderr is a terminal), bar, lines or none; rank 0 only."""
+
+    def __init__(self, mode: str, enabled: bool, steps_per_epoch: int):
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "lines"
+        self.mode = mode if enabled else "none"
+        self.steps_per_epoch = steps_per_epoch
+        self.bar = None
+
+    def start_epoch(self, epoch: int, position: int) -> None:
+        if self.mode == "bar":
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.steps_per_epoch, initial=position, desc=f"epoch {epoch}",
+                            leave=False, dynamic_ncols=True)
+
+    def update(self, record: dict) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}",
+                                 comm=f"{100 * _comm_share(record['time']):.0f}%", refresh=False)
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def end_epoch(self, record: dict) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.mode != "none":
+            logger.info("epoch %3d  train loss %.4f acc %5.2f%%  test loss %.4f acc %5.2f%%  "
+                        "lr %.3g  %.0f samples/s  comm %.0f%%  %.1f s",
+                        record["epoch"], record["train_loss"], 100 * record["train_acc"],
+                        record["test_loss"], 100 * record["test_acc"], record["lr"],
+                        record["samples_per_s"], 100 * _comm_share(record["time"]), record["seconds"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -1,0 +1,97 @@
+"""Checkpoints: written atomically by rank 0, loaded safely, shared with all ranks.
+
+A checkpoint is one ``torch.save`` file ``ckpt-<step>.pt`` holding a dict of
+tensors and plain values (model, optimizer, scheduler, loader position, RNG
+states of every rank, step, epoch, config). Writing goes to a temporary file
+in the same directory, then ``os.replace``: a crash never leaves a torn
+checkpoint. Loading uses ``torch.load(..., weights_only=True)``, which
+refuses arbitrary pickled objects. Only the newest ``keep`` checkpoints stay.
+
+Example::
+
+    >>> path = save_checkpoint("ckpts", {"model": model.state_dict(), "step": 10}, step=10)
+    >>> state = load_checkpoint(latest_checkpoint("ckpts"))
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_writable"]
+
+_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+
+
+def check_writable(directory) -> None:
+    """Create ``directory`` if needed and prove a file can be written there.
+
+    Raises ``PermissionError``/``OSError`` with a message naming the directory.
+    """
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        raise PermissionError(f"cannot write checkpoints to {directory}: {exc.strerror or exc}; "
+                              "pass a writable --checkpoint-dir") from None
+
+
+def save_checkpoint(directory, state: dict, step: int, keep: int = 3) -> Path:
+    """Write ``state`` as ``directory/ckpt-<step>.pt`` atomically; keep the newest ``keep``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"ckpt-{step:09d}.pt"
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".ckpt-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    for old in _checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def _checkpoints(directory: Path):
+    found = [(int(m.group(1)), p) for p in directory.glob("ckpt-*.pt") if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory) -> Optional[Path]:
+    """The newest ``ckpt-*.pt`` in ``directory``, or ``None``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    found = _checkpoints(directory)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path) -> dict:
+    """Load a checkpoint onto the CPU with ``weights_only=True``.
+
+    Raises ``ValueError`` saying what is wrong when the file is not a
+    checkpoint written by :func:`save_checkpoint`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint file {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not ours"
+        raise ValueError(f"{path} is not a readable hsgd checkpoint ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if not isinstance(state, dict) or "model" not in state or "step" not in state:
+        raise ValueError(f"{path} is not an hsgd checkpoint (no 'model'/'step' entries)")
+    return state

@@ -1,0 +1,165 @@
+"""The trainer's configuration: one dataclass, each field with its own help.
+
+``python -m hsgd.train --help`` is generated from :class:`TrainConfig`, so
+every option documents itself with its default. :func:`parse_config` builds
+the config from the command line and :meth:`TrainConfig.validate` returns the
+first problem as a message that says what to change (the trainer prints it
+once, from rank 0, and exits with status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, get_type_hints
+
+__all__ = ["TrainConfig", "parse_config", "default_cache_dir"]
+
+
+def _opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def default_cache_dir() -> str:
+    """``$HSGD_CACHE_DIR``, else ``$XDG_CACHE_HOME/hsgd``, else ``~/.cache/hsgd``."""
+    if os.environ.get("HSGD_CACHE_DIR"):
+        return os.environ["HSGD_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hsgd")
+
+
+@dataclass
+class TrainConfig:
+    # --- data ---
+    data: Optional[str] = _opt(None, "HDF5 training file; default: MNIST-1D, generated into --cache-dir on first use")
+    x_key: str = _opt("x_train", "data set of inputs in --data")
+    y_key: str = _opt("y_train", "data set of integer labels in --data")
+    test_data: Optional[str] = _opt(None, "HDF5 file with the test split; default: the --data file")
+    test_x_key: str = _opt("x_test", "data set of test inputs")
+    test_y_key: str = _opt("y_test", "data set of test labels")
+    cache_dir: str = _opt(None, "where the default MNIST-1D file is generated (env HSGD_CACHE_DIR)")
+    mnist1d_samples: int = _opt(40000, "training samples of the generated MNIST-1D (test: 1000)")
+    # --- model and optimizer ---
+    model: str = _opt("cnn", "mlp | cnn (1-D signals) | resnet (images)", choices=["mlp", "cnn", "resnet"])
+    optimizer: str = _opt("adamw", "sgd | lars | adamw", choices=["sgd", "lars", "adamw"])
+    lr: float = _opt(0.01, "peak learning rate (before --scale-lr)")
+    momentum: float = _opt(0.9, "momentum (sgd, lars)")
+    nesterov: bool = _opt(False, "Nesterov momentum (sgd, lars)")
+    weight_decay: float = _opt(0.0, "weight decay (decoupled for adamw; not applied to 1-D tensors by lars)")
+    trust_coefficient: float = _opt(0.001, "LARS trust coefficient eta")
+    scale_lr: bool = _opt(False, "linear scaling rule: lr *= global batch / --base-batch")
+    base_batch: int = _opt(256, "reference batch of the linear scaling rule")
+    schedule: str = _opt("poly", "constant | poly (warm-up, then (1-t/T)^power) | step (warm-up, "
+                                 "then x0.1 at --milestones)", choices=["constant", "poly", "step"])
+    warmup_epochs: Optional[float] = _opt(None, "linear warm-up length in epochs (0 for none); "
+                                                "default: 1, or a tenth of --epochs if that is less")
+    power: float = _opt(2.0, "power of the poly decay")
+    milestones: List[int] = _opt(None, "epochs at which the step schedule multiplies lr by 0.1", nargs="+")
+    # --- training ---
+    epochs: int = _opt(30, "passes over the training data")
+    batch_size: int = _opt(256, "global batch (all ranks together); each rank takes batch/world")
+    seed: int = _opt(0, "seed of model init and data order")
+    threads: int = _opt(0, "torch threads per rank; 0: $SLURM_CPUS_PER_TASK, else $OMP_NUM_THREADS, "
+                                    "else cores / ranks on this node")
+    device: str = _opt("cpu", "cpu | cuda (one GPU per local rank) | auto", choices=["cpu", "cuda", "auto"])
+    # --- synchronization ---
+    average: str = _opt("gradients", "gradients (synchronous SGD) | parameters (local SGD)",
+                        choices=["gradients", "parameters"])
+    intra_period: int = _opt(1, "parameter averaging inside a node every N steps (--average parameters)")
+    inter_period: int = _opt(1, "... and across nodes every intra_period * N steps")
+    inter_node: str = _opt("leader", "leader | sharded inter-node allreduce", choices=["leader", "sharded"])
+    ranks_per_node: Optional[int] = _opt(None, "virtual node size (env HSGD_RANKS_PER_NODE); default: physical nodes")
+    # --- output ---
+    run_dir: Optional[str] = _opt(None, "where config.json and metrics.jsonl go; default runs/<time>")
+    log_every: int = _opt(20, "steps between step records in metrics.jsonl")
+    progress: str = _opt("auto", "auto (bar on a terminal, else one line per epoch) | bar | lines | none",
+                         choices=["auto", "bar", "lines", "none"])
+    timeline: Optional[str] = _opt(None, "write a Chrome-trace JSON of every rank's phases here")
+    checkpoint_dir: Optional[str] = _opt(None, "where checkpoints go; default RUN_DIR/checkpoints")
+    save_every: int = _opt(0, "also checkpoint every N steps (0: at the end of every epoch only)")
+    resume: Optional[str] = _opt(None, "resume from the latest checkpoint in --checkpoint-dir (plain "
+                                       "--resume; none there: start afresh) or from a given file",
+                                 nargs="?", const="latest")
+    stop_after: int = _opt(0, "stop (with a checkpoint) after this many steps in this run; 0: no limit")
+
+    def validate(self) -> Optional[str]:
+        """The first problem with this config, as an instruction; ``None`` if fine."""
+        positive = {"lr": self.lr, "epochs": self.epochs, "batch_size": self.batch_size,
+                    "log_every": self.log_every, "base_batch": self.base_batch,
+                    "intra_period": self.intra_period, "inter_period": self.inter_period,
+                    "mnist1d_samples": self.mnist1d_samples, "power": self.power}
+        for name, value in positive.items():
+            if not value > 0:
+                return f"--{name.replace('_', '-')} must be positive, got {value}"
+        for name in ("momentum", "weight_decay", "threads", "save_every", "stop_after"):
+            if getattr(self, name) < 0:
+                return f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
+        if self.warmup_epochs is not None and self.warmup_epochs < 0:
+            return f"--warmup-epochs must be >= 0, got {self.warmup_epochs}"
+        if self.warmup() >= self.epochs and self.schedule != "constant":
+            return f"--warmup-epochs ({self.warmup_epochs}) must be shorter than --epochs ({self.epochs})"
+        if self.schedule == "step" and not self.milestones:
+            return "--schedule step needs --milestones, e.g. --milestones 10 20"
+        if self.ranks_per_node is not None and self.ranks_per_node <= 0:
+            return f"--ranks-per-node must be positive, got {self.ranks_per_node}"
+        if self.resume and self.resume != "latest" and not os.path.exists(self.resume):
+            return f"--resume {self.resume}: no such checkpoint file"
+        if self.resume == "latest" and not (self.checkpoint_dir or self.run_dir):
+            return "--resume needs --checkpoint-dir or --run-dir to find the latest checkpoint"
+        return None
+
+    def warmup(self) -> float:
+        """The warm-up length in epochs, with the default filled in."""
+        if self.warmup_epochs is None:
+            return min(1.0, 0.1 * self.epochs)
+        return self.warmup_epochs
+
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir or default_cache_dir())
+
+
+def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, kind) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    meta = dict(f.metadata)
+    help_text = meta.pop("help") + " (default: %(default)s)"
+    if kind is bool:
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        return
+    base = {"Optional[int]": int, "Optional[str]": str, "Optional[float]": float, "List[int]": int}.get(str(kind).replace("typing.", ""), kind)
+    parser.add_argument(flag, type=base, default=f.default, help=help_text, **meta)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that can be silenced (all ranks parse, rank 0 speaks)."""
+
+    def __init__(self, *args, quiet: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.quiet = quiet
+
+    def _print_message(self, message, file=None):
+        if not self.quiet:
+            super()._print_message(message, file)
+
+
+def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
+    parser = _Parser(
+        quiet=quiet,
+        prog="python -m hsgd.train",
+        description="Data-parallel training with HierarchicalSGD. Launch with "
+                    "mpiexec -n N python -m hsgd.train [options] (or srun --mpi=pmi2).")
+    hints = get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        _add_field(parser, f, hints[f.name])
+    return parser
+
+
+def parse_config(argv=None, quiet: bool = False) -> TrainConfig:
+    """Parse the command line into a :class:`TrainConfig` (``--help`` exits here).
+
+    ``quiet=True`` (ranks other than 0) suppresses help and usage messages;
+    the exit status is the same on every rank.
+    """
+    return TrainConfig(**vars(build_parser(quiet).parse_args(argv)))

@@ -1,0 +1,188 @@
+"""The pieces of ``python -m hsgd.train`` that are not the loop itself.
+
+Data preparation, optimizer and schedule construction, sharded evaluation,
+and checkpoint state in and out. Every function that can fail because of the
+user's input raises on every rank the same way (through :func:`hsgd._agree.agree`),
+so the trainer can print one message from rank 0 and exit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional, Tuple
+
+import h5py
+import torch
+from mpi4py import MPI
+
+from ._agree import check_all, on_root
+from .broadcast import average_buffers, averaged_state_dict
+from .checkpoint import latest_checkpoint, load_checkpoint
+from .config import TrainConfig
+from .data import ensure_mnist1d
+from .lars import LARS
+from .parallel_io import ContiguousH5Loader
+from .schedules import WarmupMultiStepLR, WarmupPolyLR, scaled_lr
+
+__all__ = ["prepare_data", "num_classes", "dataset_length", "test_batch_size", "make_optimizer", "make_scheduler",
+           "evaluate", "resume_state", "checkpoint_state", "restore"]
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_data(cfg: TrainConfig, comm) -> Tuple[str, str]:
+    """Paths of the training and test files; generates MNIST-1D when no ``--data``."""
+    if cfg.data is None:
+        samples = int(round(cfg.mnist1d_samples / 0.8))  # mnist1d keeps 80% for training
+        if comm.Get_rank() == 0:
+            logger.info("data: MNIST-1D with %d training samples in %s", cfg.mnist1d_samples,
+                        cfg.resolved_cache_dir())
+        path = ensure_mnist1d(cfg.resolved_cache_dir(), num_samples=samples, comm=comm)
+        return str(path), str(path)
+    return cfg.data, cfg.test_data or cfg.data
+
+
+def num_classes(path: str, y_key: str, comm) -> int:
+    """1 + the largest label, read once by rank 0 (the loader checks the labels' type)."""
+    def read_max():
+        with h5py.File(path, "r") as f:
+            labels = f[y_key]
+            return int(max(labels[i:i + (1 << 20)].max() for i in range(0, len(labels), 1 << 20)))
+    return on_root(comm, read_max) + 1
+
+
+def dataset_length(path: str, key: str, comm) -> Optional[int]:
+    """Rows of ``path[key]`` as rank 0 sees them; ``None`` if unreadable (the loader says why)."""
+    def length():
+        try:
+            with h5py.File(path, "r") as f:
+                return len(f[key])
+        except Exception:  # noqa: BLE001 - the loader reports a bad file or key itself
+            return None
+    return on_root(comm, length)
+
+
+def test_batch_size(path: str, y_key: str, comm, most: int = 1024) -> int:
+    """Evaluation batch per rank: up to ``most``, small enough for every rank to get one."""
+    n = dataset_length(path, y_key, comm)
+    return most if not n else max(1, min(most, n // comm.Get_size()))
+
+
+def make_optimizer(cfg: TrainConfig, model: torch.nn.Module):
+    """The inner optimizer with the (optionally linearly scaled) peak lr."""
+    lr = scaled_lr(cfg.lr, cfg.batch_size, cfg.base_batch) if cfg.scale_lr else cfg.lr
+    params = model.parameters()
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                               weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "lars":
+        return LARS(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                    weight_decay=cfg.weight_decay, trust_coefficient=cfg.trust_coefficient)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+
+
+def make_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
+    """Per-step schedule: constant, warm-up + poly decay, or warm-up + steps."""
+    warmup = int(round(cfg.warmup() * steps_per_epoch))
+    total = cfg.epochs * steps_per_epoch
+    if cfg.schedule == "poly":
+        return WarmupPolyLR(optimizer, total_steps=total, warmup_steps=warmup, power=cfg.power)
+    if cfg.schedule == "step":
+        milestones = [m * steps_per_epoch for m in cfg.milestones]
+        return WarmupMultiStepLR(optimizer, milestones=milestones, warmup_steps=warmup)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+@torch.no_grad()
+def evaluate(model, loader: ContiguousH5Loader, comm, device) -> Tuple[float, float]:
+    """Mean loss and top-1 accuracy over the whole split, each sample counted once."""
+    average_buffers(model, comm)
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        out = model(x)
+        sums[0] += torch.nn.functional.cross_entropy(out, y, reduction="sum").item()
+        sums[1] += (out.argmax(1) == y).sum().item()
+        sums[2] += y.numel()
+    model.train()
+    comm.Allreduce(MPI.IN_PLACE, sums.numpy(), op=MPI.SUM)
+    return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
+
+
+def _check_compatible(state: dict, model: torch.nn.Module, cfg: TrainConfig, path) -> None:
+    saved = state.get("config", {})
+    mine = model.state_dict()
+    theirs = state["model"]
+    differ = [k for k in mine if k not in theirs or tuple(theirs[k].shape) != tuple(mine[k].shape)]
+    if differ or set(theirs) - set(mine):
+        raise ValueError(
+            f"checkpoint {path} was written for a different model (model={saved.get('model')!r}, "
+            f"first mismatch: {(differ or sorted(set(theirs) - set(mine)))[0]!r}); this run builds "
+            f"model={cfg.model!r}. Resume with the same --model and data, or use another "
+            "--checkpoint-dir")
+
+
+def resume_state(cfg: TrainConfig, checkpoint_dir: Path, model, comm) -> Optional[dict]:
+    """Rank 0 loads the checkpoint to resume from; every rank gets it (or ``None``).
+
+    Per-rank entries (``replicas``, ``rng``) are scattered, not broadcast:
+    each rank receives only its own, as ``state["replica"]`` and ``state["rng"]``.
+    """
+    def load():
+        path = latest_checkpoint(checkpoint_dir) if cfg.resume == "latest" else Path(cfg.resume)
+        if path is None:
+            return None
+        state = load_checkpoint(path)
+        _check_compatible(state, model, cfg, path)
+        logger.info("resuming from %s (step %d)", path, state["step"])
+        return state
+    state = on_root(comm, load)  # rank 0 holds the state, the others None
+    found = comm.bcast(state is not None, root=0)
+    if not found:
+        return None
+    same_world = comm.bcast(state.get("world_size") == comm.Get_size() if state else None, root=0)
+    per_rank = {}
+    for key in ("replicas", "rng"):
+        entries = state.pop(key, None) if state is not None else None
+        per_rank[key] = comm.scatter(entries if same_world and entries else None, root=0)
+    state = comm.bcast(state, root=0)
+    state["replica"], state["rng"] = per_rank["replicas"], per_rank["rng"]
+    if not same_world and comm.Get_rank() == 0:
+        logger.warning("the checkpoint is from %s ranks, this run has %d: resuming from the "
+                       "averaged model; RNG streams and local replicas start afresh",
+                       state.get("world_size"), comm.Get_size())
+    return state
+
+
+def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, comm) -> dict:
+    """Everything a resumed run needs; collective, rank 0 gets the full dict.
+
+    ``model`` is the average over ranks (the replicas are identical in
+    synchronous SGD; in local SGD this is the model worth keeping). With
+    ``average="parameters"`` each rank's own replica and optimizer state are
+    kept too, so that a resumed run continues exactly.
+    """
+    rng = comm.gather(torch.get_rng_state(), root=0)
+    state = {"model": averaged_state_dict(model, comm), "optimizer": opt.state_dict(),
+             "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+             "rng": rng, "step": step, "epoch": epoch, "config": asdict(cfg),
+             "world_size": comm.Get_size()}
+    if opt.average == "parameters":
+        state["replicas"] = comm.gather({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                                        root=0)
+    return state
+
+
+def restore(state: dict, model, opt, scheduler, loader, comm) -> Tuple[int, int]:
+    """Load a checkpoint's state on this rank; returns (step, epoch)."""
+    own = state.get("replica") or {}
+    model.load_state_dict(own.get("model", state["model"]))
+    opt.load_state_dict(own.get("optimizer", state["optimizer"]))
+    scheduler.load_state_dict(state["scheduler"])
+    check_all(comm, loader.load_state_dict, state["loader"])
+    if state.get("rng") is not None:
+        torch.set_rng_state(state["rng"])
+    return int(state["step"]), int(state["epoch"])

@@ -1,0 +1,147 @@
+"""End to end: python -m hsgd.train under mpiexec, its outputs, resumes and errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from test_mpi_driver import ROOT, mpiexec, run_mpi
+
+SMALL = ["--mnist1d-samples", "2000", "--epochs", "2", "--batch-size", "64", "--progress", "lines"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One generated MNIST-1D file shared by the tests of this module."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def train(nprocs, args, cache, timeout=300):
+    return run_mpi(nprocs, ["-m", "hsgd.train", "--cache-dir", cache, *args], timeout=timeout)
+
+
+def records(run_dir, event):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+def final_model(checkpoint_dir):
+    latest = sorted(Path(checkpoint_dir).glob("ckpt-*.pt"))[-1]
+    return torch.load(latest, weights_only=True)["model"]
+
+
+def test_run_writes_metrics_timeline_and_report(tmp_path, cache):
+    run = tmp_path / "run"
+    proc = train(2, [*SMALL, "--run-dir", str(run), "--timeline", str(tmp_path / "trace.json")], cache)
+    assert proc.returncode == 0, proc.stderr
+    epochs = records(run, "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    assert epochs[-1]["test_acc"] > 0.25  # 10 classes: chance is 0.1
+    assert set(epochs[-1]["time"]) >= {"data", "compute", "intra", "eval"}
+    steps = records(run, "step")
+    assert steps and all(s["loss"] > 0 and s["samples_per_s"] > 0 for s in steps)
+    assert json.loads((run / "config.json").read_text())["batch_size"] == 64
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["tid"] for e in trace if e["ph"] == "X"} == {0, 1}
+    assert {"data", "compute", "intra"} <= {e["name"] for e in trace}
+    report = subprocess.run([sys.executable, "-m", "hsgd.report", str(run)], capture_output=True,
+                            text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert (run / "plots" / "accuracy.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("extra", [[], ["--average", "parameters", "--intra-period", "2",
+                                        "--inter-period", "2", "--ranks-per-node", "1"]])
+def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, extra):
+    common = [*SMALL, "--optimizer", "sgd", "--lr", "0.05", *extra]
+    whole = train(2, [*common, "--run-dir", str(tmp_path / "whole")], cache)
+    assert whole.returncode == 0, whole.stderr
+    part = tmp_path / "part"
+    first = train(2, [*common, "--run-dir", str(part), "--stop-after", "23"], cache)
+    assert first.returncode == 0, first.stderr
+    assert "stopped (stop-after) after 23 steps" in first.stderr
+    second = train(2, [*common, "--run-dir", str(part), "--resume"], cache)
+    assert second.returncode == 0, second.stderr
+    assert "resuming from" in second.stderr
+    want, got = final_model(tmp_path / "whole" / "checkpoints"), final_model(part / "checkpoints")
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+
+
+def test_signal_checkpoints_and_exits_for_requeue(tmp_path, cache):
+    run = tmp_path / "run"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hsgd.train", "--cache-dir", cache,
+           *SMALL, "--epochs", "50", "--log-every", "5", "--run-dir", str(run)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").exists() or not records(run, "step"):
+            assert time.monotonic() < deadline and proc.poll() is None, "training never started"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)  # mpiexec forwards it to every rank
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err
+    assert "stopped (signal)" in err
+    assert list((run / "checkpoints").glob("ckpt-*.pt"))
+
+
+def bad_h5(tmp_path, name, **arrays):
+    path = tmp_path / name
+    with h5py.File(path, "w") as f:
+        for key, value in arrays.items():
+            f[key] = value
+    return str(path)
+
+
+def bad_inputs(tmp_path):
+    """(name, extra args, text the one error line must contain)."""
+    not_h5 = tmp_path / "text.h5"
+    not_h5.write_text("hello")
+    tiny = bad_h5(tmp_path, "tiny.h5", x=np.zeros((8, 40), np.float32), y=np.arange(8) % 2)
+    floats = bad_h5(tmp_path, "floats.h5", x=np.zeros((100, 40), np.float32), y=np.zeros(100))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    return [
+        ("model", ["--model", "transformer"], "invalid choice: 'transformer'"),
+        ("optimizer", ["--optimizer", "lamb"], "invalid choice: 'lamb'"),
+        ("lr", ["--lr", "0"], "--lr must be positive"),
+        ("epochs", ["--epochs", "-1"], "--epochs must be positive"),
+        ("missing", ["--data", str(tmp_path / "nope.h5")], "nope.h5"),
+        ("not hdf5", ["--data", str(not_h5)], "HDF5"),
+        ("key", ["--data", tiny, "--x-key", "images"], "images"),
+        ("labels", ["--data", floats, "--x-key", "x", "--y-key", "y"], "label"),
+        ("batch", ["--data", tiny, "--x-key", "x", "--y-key", "y", "--batch-size", "64"], "larger than the 8"),
+        ("unwritable", ["--checkpoint-dir", str(blocker / "sub")], "--checkpoint-dir"),
+        ("odd batch", ["--batch-size", "63"], "multiple of the 2 ranks"),
+    ]
+
+
+def test_bad_input_gets_one_message_and_exit_2(tmp_path, cache):
+    failures = []
+    for name, args, text in bad_inputs(tmp_path):
+        proc = train(2, [*SMALL, "--run-dir", str(tmp_path / "runs" / name), *args], cache, timeout=120)
+        errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+        if proc.returncode != 2 or len(errors) != 1 or text not in errors[0] or "Traceback" in proc.stderr:
+            failures.append(f"{name}: exit {proc.returncode}, stderr:\n{proc.stderr[-2000:]}")
+    assert not failures, "\n\n".join(failures)
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, cache):
+    run = str(tmp_path / "run")
+    first = train(2, [*SMALL, "--epochs", "1", "--model", "mlp", "--run-dir", run], cache)
+    assert first.returncode == 0, first.stderr
+    second = train(2, [*SMALL, "--model", "cnn", "--run-dir", run, "--resume"], cache)
+    assert second.returncode == 2
+    errors = [line for line in second.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "different model" in errors[0], second.stderr
