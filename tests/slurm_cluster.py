@@ -1,0 +1,404 @@
+"""A private Slurm cluster on loopback, for tests.
+
+``LocalSlurm`` writes a slurm.conf into a temporary directory, starts one
+slurmctld and ``nodes`` slurmd daemons (``slurmd -N n1``, ``-N n2``, ...) on
+127.0.0.1, and stops them again. The emulated nodes all run on this host, so a
+multi-node job is real (separate slurmd, separate job steps, PMI across nodes)
+while costing one machine. Everything lives under the temporary directory:
+config, state, spool, logs and PID files; the ports are picked free at start,
+so two clusters (two test runs) do not clash, and a system Slurm, if any, is
+not touched.
+
+    with LocalSlurm(nodes=3, cpus_per_node=2) as slurm:
+        job = slurm.submit("scripts/slurm/multi_node.sbatch", ["--epochs", "1"],
+                           sbatch_args=["--nodes=2"], cwd=tmp)
+        state = slurm.wait(job, timeout=120)      # "COMPLETED", "FAILED", ...
+
+Needs root (slurmd runs jobs as their user and must be able to switch to it)
+and Debian's ``slurmctld slurmd slurm-client`` (see .ci/slurm-setup.sh).
+``LocalSlurm.unavailable()`` says why a cluster cannot be started here, or
+returns None. Authentication is off (auth/none, cred/none): munge need not run,
+and only loopback can reach the daemons.
+
+Every subprocess call has a timeout, every wait is bounded, and the daemons are
+stopped (SIGTERM, then SIGKILL) by their PID files on exit, even when the test
+fails. They are also started with a parent-death signal, so a killed test run
+takes its daemons with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel")
+
+# Job states after which a job will not run again (see squeue(1), JOB STATE CODES).
+FINAL_STATES = {
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+    "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED",
+}
+
+CMD_TIMEOUT_S = 30  # for one scontrol / sbatch / squeue call
+
+SLURM_CONF = """\
+# Private test cluster written by tests/slurm_cluster.py; loopback only.
+ClusterName=hsgdtest
+# Job ids unique across clusters on this host: MPICH names its shared-memory
+# segments after the job step, so two clusters both running job 1 would clash.
+FirstJobId={first_job_id}
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/none
+CredType=cred/none
+# A requeued job may start again after cred_expire seconds (default 120).
+AuthInfo=cred_expire=5
+# Bind to the configured address (127.0.0.1), not to every interface.
+CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
+
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool/%n
+SlurmctldPidFile={d}/run/slurmctld.pid
+SlurmdPidFile={d}/run/slurmd-%n.pid
+SlurmctldLogFile={d}/log/slurmctld.log
+SlurmdLogFile={d}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+MailProg=/bin/true
+
+# No cgroups: every emulated node shares this host's processes and cores.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+# The nodes may declare more CPUs than the host has.
+SlurmdParameters=config_overrides
+ReturnToService=2
+MpiDefault=none
+# Fast turnaround for tests.
+SlurmctldTimeout=10
+SlurmdTimeout=10
+InactiveLimit=0
+MinJobAge=300
+KillWait=5
+MessageTimeout=10
+
+{node_lines}
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+NODE_LINE = ("NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 "
+             "Port={port} CPUs={cpus} RealMemory=1000 State=UNKNOWN")
+
+
+def _which(binary: str) -> Optional[str]:
+    """``binary`` on PATH, or in the sbin directories a user's PATH may lack."""
+    return shutil.which(binary) or shutil.which(
+        binary, path="/usr/sbin:/usr/local/sbin:/sbin")
+
+
+def _free_ports(count: int) -> List[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 right now."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the test process dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _tail(path: Path, limit: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-limit:]
+    except OSError as exc:
+        return f"({exc})"
+
+
+class SlurmError(RuntimeError):
+    pass
+
+
+class _DaemonDied(SlurmError):
+    pass
+
+
+class LocalSlurm:
+    """A slurmctld and ``nodes`` slurmd on 127.0.0.1, in a private temp dir."""
+
+    def __init__(self, nodes: int = 3, cpus_per_node: int = 2,
+                 start_timeout: float = 60.0, base_dir: Optional[str] = None,
+                 keep_dir: bool = False):
+        self.node_names = [f"n{i}" for i in range(1, nodes + 1)]
+        self.cpus_per_node = cpus_per_node
+        self.start_timeout = start_timeout
+        self._base_dir = base_dir
+        self.keep_dir = keep_dir  # keep the temp dir (logs, state) after exit
+        self.dir: Optional[Path] = None
+        self.conf: Optional[Path] = None
+        self.env: Dict[str, str] = {}
+        self._procs: Dict[str, subprocess.Popen] = {}
+
+    # ----------------------------------------------------------- availability
+    @staticmethod
+    def unavailable() -> Optional[str]:
+        """Why no cluster can be started here, or None if it can."""
+        missing = [b for b in BINARIES if _which(b) is None]
+        if missing:
+            return (f"Slurm not installed (missing {', '.join(missing)}); "
+                    "run .ci/slurm-setup.sh as root to install it")
+        if os.geteuid() != 0:
+            return "a private Slurm cluster needs root (slurmd runs jobs as their user)"
+        return None
+
+    # --------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "LocalSlurm":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.keep_dir:
+            self.stop()
+        else:
+            self.cleanup()
+
+    def start(self, attempts: int = 3) -> None:
+        """Start the daemons and wait until every node is idle.
+
+        A daemon that dies at start-up (most likely: another process took one
+        of the ports picked) gets a fresh directory and fresh ports, up to
+        ``attempts`` times.
+        """
+        reason = self.unavailable()
+        if reason:
+            raise SlurmError(reason)
+        for attempt in range(1, attempts + 1):
+            self.dir = Path(tempfile.mkdtemp(prefix="hsgd-slurm-", dir=self._base_dir))
+            try:
+                self._write_conf()
+                self._spawn("slurmctld", [_which("slurmctld"), "-D", "-f", str(self.conf)])
+                for name in self.node_names:
+                    self._spawn(f"slurmd-{name}",
+                                [_which("slurmd"), "-D", "-N", name, "-f", str(self.conf)])
+                self._wait_idle()
+                return
+            except _DaemonDied:
+                self.cleanup()
+                if attempt == attempts:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+
+    def _write_conf(self) -> None:
+        for sub in ("state", "spool", "run", "log", "jobs"):
+            (self.dir / sub).mkdir()
+        for name in self.node_names:
+            (self.dir / "spool" / name).mkdir()
+        ctld_port, *node_ports = _free_ports(1 + len(self.node_names))
+        nodes = "\n".join(
+            NODE_LINE.format(name=n, port=p, cpus=self.cpus_per_node)
+            for n, p in zip(self.node_names, node_ports))
+        self.conf = self.dir / "slurm.conf"
+        first_job_id = random.randrange(1_000_000, 60_000_000, 1000)
+        self.conf.write_text(SLURM_CONF.format(d=self.dir, ctld_port=ctld_port,
+                                               first_job_id=first_job_id,
+                                               node_lines=nodes))
+        # Client commands (and, through sbatch's environment, srun inside jobs)
+        # find this cluster through SLURM_CONF.
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        for var in [v for v in self.env if v.startswith(("SLURM_", "SBATCH_", "SRUN_"))]:
+            if var != "SLURM_CONF":
+                del self.env[var]
+
+    def _spawn(self, name: str, cmd: List[str]) -> None:
+        log = open(self.dir / "log" / f"{name}.console", "wb")
+        with log:
+            self._procs[name] = subprocess.Popen(
+                cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent)
+
+    def _wait_idle(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        states = ""
+        while time.monotonic() < deadline:
+            for name, proc in self._procs.items():
+                if proc.poll() is not None:
+                    raise _DaemonDied(f"{name} exited with {proc.returncode} "
+                                      f"during start-up\n{self.logs()}")
+            res = self._run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False)
+            states = res.stdout.strip()
+            idle = [ln.split()[0] for ln in states.splitlines()
+                    if len(ln.split()) == 2 and ln.split()[1] == "idle"]
+            if sorted(idle) == sorted(self.node_names):
+                return
+            time.sleep(0.5)
+        raise SlurmError(f"nodes not idle after {self.start_timeout:.0f} s "
+                         f"(sinfo: {states!r})\n{self.logs()}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Cancel all jobs, then stop every daemon by its PID file."""
+        if self.dir is None:
+            return
+        if self._procs.get("slurmctld") and self._procs["slurmctld"].poll() is None:
+            self._run(["scancel", "--quiet", f"--user={os.geteuid()}"], check=False)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if not self._run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip():
+                    break
+                time.sleep(0.5)
+        for name, proc in self._procs.items():
+            for pid in self._pids(name, proc):
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for name, proc in list(self._procs.items()):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+            del self._procs[name]
+
+    def _pids(self, name: str, proc: subprocess.Popen) -> List[int]:
+        """The daemon's PID from its PID file, and our child's PID.
+
+        They are the same (the daemons run with -D); a PID file is only
+        believed if that process was started with our slurm.conf, so a stale
+        or foreign PID is never signalled.
+        """
+        pids = [proc.pid] if proc.poll() is None else []
+        try:
+            pid = int((self.dir / "run" / f"{name}.pid").read_text().split()[0])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            return pids
+        if str(self.conf).encode() in cmdline and pid not in pids:
+            pids.append(pid)
+        return pids
+
+    def cleanup(self) -> None:
+        """Stop, then remove the temporary directory."""
+        self.stop()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    # -------------------------------------------------------------------- jobs
+    def _run(self, cmd: List[str], check: bool = True, timeout: float = CMD_TIMEOUT_S,
+             env: Optional[Dict[str, str]] = None, cwd=None) -> subprocess.CompletedProcess:
+        try:
+            res = subprocess.run(cmd, env=env or self.env, cwd=cwd, text=True,
+                                 capture_output=True, timeout=timeout,
+                                 stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            if check:
+                raise SlurmError(f"{' '.join(cmd)} timed out after {timeout} s")
+            return subprocess.CompletedProcess(cmd, -1, "", "timeout")
+        if check and res.returncode != 0:
+            raise SlurmError(f"{' '.join(cmd)} failed ({res.returncode}): "
+                             f"{res.stdout}{res.stderr}\n{self.logs()}")
+        return res
+
+    def submit(self, script, args: Iterable[str] = (), env: Optional[Dict[str, str]] = None,
+               sbatch_args: Iterable[str] = (), cwd=None) -> int:
+        """``sbatch [sbatch_args] script [args]``; returns the job id.
+
+        ``env`` is added to the submitting environment (a value of None
+        removes the variable); sbatch passes that environment on to the job
+        (--export=ALL). ``cwd`` is where the job runs and where relative
+        ``--output`` paths land (default: ``<dir>/jobs``).
+        """
+        full_env = dict(self.env)
+        for key, value in (env or {}).items():
+            if value is None:
+                full_env.pop(key, None)
+            else:
+                full_env[key] = str(value)
+        cmd = ["sbatch", "--parsable", *sbatch_args, str(script), *map(str, args)]
+        res = self._run(cmd, env=full_env, cwd=cwd or self.dir / "jobs")
+        return int(res.stdout.strip().split(";")[0])
+
+    def job_info(self, job_id: int) -> Dict[str, str]:
+        """``scontrol show job`` as a dict (``JobState``, ``ExitCode``, ...)."""
+        res = self._run(["scontrol", "show", "job", "-o", str(job_id)], check=False)
+        info = {}
+        for field in res.stdout.split():
+            key, sep, value = field.partition("=")
+            if sep:
+                info.setdefault(key, value)
+        return info
+
+    def wait(self, job_id: int, timeout: float = 300.0, poll: float = 0.5) -> str:
+        """Poll until the job reaches a final state; returns it.
+
+        Raises SlurmError (with the daemon logs) if it is still not done after
+        ``timeout`` seconds; the job is cancelled then.
+        """
+        deadline = time.monotonic() + timeout
+        state = "?"
+        while time.monotonic() < deadline:
+            state = self.job_info(job_id).get("JobState", "?")
+            if state in FINAL_STATES:
+                return state
+            time.sleep(poll)
+        self._run(["scancel", str(job_id)], check=False)
+        raise SlurmError(f"job {job_id} not finished after {timeout:.0f} s "
+                         f"(state {state})\n{self.logs()}")
+
+    def wait_for(self, condition, timeout: float = 60.0, what: str = "condition",
+                 poll: float = 0.2) -> None:
+        """Poll ``condition()`` until true; SlurmError after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise SlurmError(f"timed out after {timeout:.0f} s waiting for "
+                                 f"{what}\n{self.logs()}")
+            time.sleep(poll)
+
+    def signal(self, job_id: int, sig: str = "USR1") -> None:
+        """Send ``sig`` to the job's steps, as ``--signal=SIG@T`` does."""
+        self._run(["scancel", f"--signal={sig}", str(job_id)])
+
+    def logs(self) -> str:
+        """The tail of every daemon log, for error messages."""
+        if self.dir is None:
+            return ""
+        parts = []
+        for log in sorted((self.dir / "log").glob("*.log")):
+            parts.append(f"--- {log.name} ---\n{_tail(log)}")
+        # A daemon's console only matters if it died before opening its log.
+        for console in sorted((self.dir / "log").glob("*.console")):
+            if not console.with_suffix(".log").exists():
+                parts.append(f"--- {console.name} ---\n{_tail(console)}")
+        return "\n".join(parts)
