@@ -31,6 +31,7 @@ import traceback
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 import torch
 from mpi4py import MPI
@@ -137,98 +138,122 @@ def build(cfg, topo, device):
     return train, test, model, opt, scheduler
 
 
-def train(cfg: TrainConfig, comm) -> int:
-    topo, device, run_dir, ckpt_dir = setup(cfg, comm)
-    is_main = topo.rank == 0
-    train_loader, test_loader, model, opt, scheduler = build(cfg, topo, device)
-    step, epoch = 0, 0
-    if cfg.resume:
-        state = resume_state(cfg, ckpt_dir, model, comm)
+class Trainer:
+    """The training loop of one rank; every method is collective over the ranks."""
+
+    def __init__(self, cfg: TrainConfig, comm):
+        self.cfg, self.comm = cfg, comm
+        self.topo, self.device, self.run_dir, self.ckpt_dir = setup(cfg, comm)
+        self.is_main = self.topo.rank == 0
+        self.train_loader, self.test_loader, self.model, self.opt, self.scheduler = \
+            build(cfg, self.topo, self.device)
+        self.step, self.epoch, self.best = 0, 0, 0.0
+        if cfg.resume:
+            self._resume()
+        self.clock = PhaseClock(self.topo.rank, trace=cfg.timeline is not None)
+        self.opt.averager.on_phase = self.clock.record
+        self.log = MetricsLog(self.run_dir, enabled=self.is_main)
+        self.stopper = StopSignal()
+        self.progress = Progress(cfg.progress, self.is_main, len(self.train_loader))
+
+    def _resume(self) -> None:
+        state = resume_state(self.cfg, self.ckpt_dir, self.model, self.comm)
         if state is not None:
-            step, epoch = restore(state, model, opt, scheduler, train_loader, comm)
-        elif is_main:
-            logger.info("no checkpoint in %s: starting afresh", ckpt_dir)
-    clock = PhaseClock(topo.rank, trace=cfg.timeline is not None)
-    opt.averager.on_phase = clock.record
-    log = MetricsLog(run_dir, enabled=is_main)
-    stopper = StopSignal()
-    progress = Progress(cfg.progress, is_main, len(train_loader))
+            self.step, self.epoch = restore(state, self.model, self.opt, self.scheduler,
+                                            self.train_loader, self.comm)
+        elif self.is_main:
+            logger.info("no checkpoint in %s: starting afresh", self.ckpt_dir)
 
-    def save():
-        state = checkpoint_state(cfg, model, opt, scheduler, train_loader, step, epoch, comm)
-        on_root(comm, save_checkpoint, ckpt_dir, state, step)
+    def save(self) -> None:
+        state = checkpoint_state(self.cfg, self.model, self.opt, self.scheduler,
+                                 self.train_loader, self.step, self.epoch, self.comm)
+        on_root(self.comm, save_checkpoint, self.ckpt_dir, state, self.step)
 
-    run_steps, stop, best = 0, None, 0.0
-    while epoch < cfg.epochs and stop is None:
-        train_loader.set_epoch(epoch)
-        progress.start_epoch(epoch, train_loader.position)
-        epoch_start, sums = time.perf_counter(), torch.zeros(4, dtype=torch.float64)
-        epoch_time = Counter()
-        window, window_start = torch.zeros(4, dtype=torch.float64), time.perf_counter()
-        batches = iter(train_loader)
-        while True:
-            with clock.phase("data"):
+    def run(self) -> int:
+        """Train to the last epoch or until stopped; returns the exit status."""
+        stop, run_steps = None, 0
+        while self.epoch < self.cfg.epochs and stop is None:
+            stop, run_steps = self._run_epoch(run_steps)
+            self.save()
+        self._finish(stop)
+        return EXIT_REQUEUE if stop == "signal" else 0
+
+    def _run_epoch(self, run_steps: int):
+        """One epoch, or its rest after a resume; returns (stop reason or None, steps run)."""
+        cfg, loader = self.cfg, self.train_loader
+        loader.set_epoch(self.epoch)
+        self.progress.start_epoch(self.epoch, loader.position)
+        start, totals, times = time.perf_counter(), torch.zeros(4, dtype=torch.float64), Counter()
+        window, window_start, stop, batches = torch.zeros(4, dtype=torch.float64), start, None, iter(loader)
+        while stop is None:
+            with self.clock.phase("data"):
                 batch = next(batches, None)
             if batch is None:
                 break
-            loss, correct, n = _train_step(model, opt, batch, device, clock)
-            scheduler.step()
-            step, run_steps = step + 1, run_steps + 1
+            loss, correct, n = _train_step(self.model, self.opt, batch, self.device, self.clock)
+            self.scheduler.step()
+            self.step, run_steps = self.step + 1, run_steps + 1
             window += torch.tensor([loss * n, correct, n, 0.0], dtype=torch.float64)
-            if step % cfg.log_every == 0:
-                window[3] = stopper.received
-                comm.Allreduce(MPI.IN_PLACE, window.numpy(), op=MPI.SUM)
-                elapsed = time.perf_counter() - window_start
-                times = clock.take()
-                epoch_time.update(times)
-                record = dict(epoch=epoch, step=step, loss=(window[0] / window[2]).item(),
-                              lr=scheduler.get_last_lr()[0],
-                              samples_per_s=window[2].item() / elapsed, time=times)
-                log.write("step", **record)
-                progress.update(record)
-                stop = "signal" if window[3] > 0 else None
-                sums += window
+            if self.step % cfg.log_every == 0:
+                stop = self._log_window(window, time.perf_counter() - window_start, times)
+                totals += window
                 window.zero_()
                 window_start = time.perf_counter()
-            progress.advance()
+            self.progress.advance()
             if cfg.stop_after and run_steps >= cfg.stop_after:
                 stop = stop or "stop-after"
-            if stop:
-                break
-            if cfg.save_every and step % cfg.save_every == 0:
-                save()
-        window[3] = stopper.received
-        comm.Allreduce(MPI.IN_PLACE, window.numpy(), op=MPI.SUM)
-        sums += window
-        if stop is None and window[3] > 0:
-            stop = "signal"
+            if stop is None and cfg.save_every and self.step % cfg.save_every == 0:
+                self.save()
+        stop = self._agree_stop(window) or stop
+        totals += window
         if batch is None:  # the epoch ran to its end
-            epoch += 1
-            with clock.phase("eval"):
-                test_loss, test_acc = evaluate(model, test_loader, comm, device)
-            epoch_time.update(clock.take())
-            best = max(best, test_acc)
-            seconds = time.perf_counter() - epoch_start
-            record = dict(epoch=epoch - 1, step=step, train_loss=(sums[0] / sums[2]).item(),
-                          train_acc=(sums[1] / sums[2]).item(), test_loss=test_loss,
-                          test_acc=test_acc, lr=scheduler.get_last_lr()[0],
-                          samples_per_s=sums[2].item() / seconds, seconds=seconds,
-                          time=dict(epoch_time))
-            log.write("epoch", **record)
-            progress.end_epoch(record)
-        save()
-    progress.close()
-    log.close()
-    if cfg.timeline:
-        events = comm.gather(clock.events, root=0)
-        if is_main:
-            logger.info("timeline: %s", write_timeline(cfg.timeline, events))
-    if is_main:
-        logger.info("%s after %d steps; best test accuracy %.2f%%; run directory %s",
-                    "stopped (" + stop + ")" if stop else "done", step, 100 * best, run_dir)
-    opt.close()
-    topo.close()
-    return EXIT_REQUEUE if stop == "signal" else 0
+            self._end_epoch(totals, time.perf_counter() - start, times)
+        return stop, run_steps
+
+    def _agree_stop(self, window) -> Optional[str]:
+        """Sum the window's loss/accuracy counts and the stop flags over ranks."""
+        window[3] = self.stopper.received
+        self.comm.Allreduce(MPI.IN_PLACE, window.numpy(), op=MPI.SUM)
+        return "signal" if window[3] > 0 else None
+
+    def _log_window(self, window, seconds: float, epoch_times: Counter) -> Optional[str]:
+        stop = self._agree_stop(window)
+        times = self.clock.take()
+        epoch_times.update(times)
+        record = dict(epoch=self.epoch, step=self.step, loss=(window[0] / window[2]).item(),
+                      lr=self.scheduler.get_last_lr()[0], samples_per_s=window[2].item() / seconds,
+                      time=times)
+        self.log.write("step", **record)
+        self.progress.update(record)
+        return stop
+
+    def _end_epoch(self, totals, train_seconds: float, times: Counter) -> None:
+        with self.clock.phase("eval"):
+            test_loss, test_acc = evaluate(self.model, self.test_loader, self.comm, self.device)
+        times.update(self.clock.take())
+        self.best = max(self.best, test_acc)
+        record = dict(epoch=self.epoch, step=self.step, train_loss=(totals[0] / totals[2]).item(),
+                      train_acc=(totals[1] / totals[2]).item(), test_loss=test_loss,
+                      test_acc=test_acc, lr=self.scheduler.get_last_lr()[0],
+                      samples_per_s=totals[2].item() / train_seconds,
+                      seconds=train_seconds + times["eval"], time=dict(times))
+        self.log.write("epoch", **record)
+        self.progress.end_epoch(record)
+        self.epoch += 1
+
+    def _finish(self, stop: Optional[str]) -> None:
+        self.progress.close()
+        self.log.close()
+        if self.cfg.timeline:
+            events = self.comm.gather(self.clock.events, root=0)
+            if self.is_main:
+                logger.info("timeline: %s", write_timeline(self.cfg.timeline, events))
+        if self.is_main:
+            logger.info("%s after %d steps; best test accuracy %.2f%%; run directory %s",
+                        f"stopped ({stop})" if stop else "done", self.step, 100 * self.best,
+                        self.run_dir)
+        self.opt.close()
+        self.topo.close()
 
 
 def _train_step(model, opt, batch, device, clock):
@@ -260,7 +285,7 @@ def main(argv=None) -> int:
             print(f"python -m hsgd.train: error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        return train(cfg, comm)
+        return Trainer(cfg, comm).run()
     except Exception as exc:  # noqa: BLE001 - sorted below
         if getattr(exc, "hsgd_agreed", False):  # raised on every rank alike
             if comm.Get_rank() == 0:
