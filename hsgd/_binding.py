@@ -11,6 +11,13 @@ Users may break a view (``zero_grad(set_to_none=True)`` on the model, or
 assigning ``p.grad``); :meth:`SlotBinding.gather` notices by comparing data
 pointers, copies the value in, and restores the view. A missing gradient
 (an unused branch) counts as zero.
+
+With ``flags=True`` (gradient binding) the slot also carries one "used" flag
+per parameter, set by a post-accumulate-grad hook when backward produced a
+gradient (or when ``p.grad`` was assigned). The flags are averaged with the
+gradients, so after averaging every rank knows which parameters no rank used;
+those get ``p.grad = None``, as in single-process torch, and the optimizer
+leaves them alone (no momentum or weight decay step).
 """
 
 from __future__ import annotations
@@ -23,19 +30,38 @@ __all__ = ["SlotBinding"]
 
 
 class SlotBinding:
-    """Maps ``params``' ``grad`` (``what="grad"``) or values (``"data"``) to slot views."""
+    """Maps ``params``' ``grad`` (``what="grad"``) or values (``"data"``) to slot views.
 
-    def __init__(self, averager, params: Sequence[torch.nn.Parameter], what: str):
+    The averager's layout holds one entry per parameter, in order, then (with
+    ``flags=True``) one float32 entry of ``len(params)`` used-flags.
+    """
+
+    def __init__(self, averager, params: Sequence[torch.nn.Parameter], what: str,
+                 flags: bool = False):
         if what not in ("grad", "data"):
             raise ValueError(f"Invalid binding target: {what!r}")
         self.what = what
         self.params = list(params)
         self.averager = averager
-        self.views: List[torch.Tensor] = []
-        for p, (seg, off) in zip(self.params, averager.layout.places):
-            self.views.append(averager.own(seg)[off:off + p.numel()].view(p.shape))
+        places = averager.layout.places
+        self.views: List[torch.Tensor] = [
+            averager.own(seg)[off:off + p.numel()].view(p.shape)
+            for p, (seg, off) in zip(self.params, places)]
         self.zero_copy = [p.device.type == "cpu" for p in self.params]
+        self.flags = None
+        self._fired = [False] * len(self.params)
+        self._hooks = []
+        if flags:
+            seg, off = places[len(self.params)]
+            self.flags = averager.own(seg)[off:off + len(self.params)]
+            self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+                           for i, p in enumerate(self.params)]
         self.gather()
+
+    def _hook(self, index: int):
+        def mark(_param):
+            self._fired[index] = True
+        return mark
 
     def _current(self, p):
         return p.grad if self.what == "grad" else p.data
@@ -49,28 +75,31 @@ class SlotBinding:
     def gather(self) -> None:
         """Make the slot hold every parameter's current gradient (or value)."""
         with torch.no_grad():
-            for p, view, zc in zip(self.params, self.views, self.zero_copy):
-                cur = self._current(p)
+            for i, (p, view, zc) in enumerate(zip(self.params, self.views, self.zero_copy)):
+                cur, used = self._current(p), self._fired[i]
                 if cur is None:
                     view.zero_()
-                elif zc and cur.data_ptr() == view.data_ptr():
-                    continue
-                else:
+                elif not (zc and cur.data_ptr() == view.data_ptr()):
                     view.copy_(cur)
+                    used = True  # assigned by the user, or a fresh tensor from backward
                 if zc:
                     self._attach(p, view)
+                if self.flags is not None:
+                    self.flags[i] = 1.0 if used else 0.0
+                self._fired[i] = False
 
     def scatter(self) -> None:
-        """Copy averaged values back to staged (non-CPU) parameters."""
+        """After averaging: give staged parameters the result, unused ones ``None``."""
         with torch.no_grad():
-            for p, view, zc in zip(self.params, self.views, self.zero_copy):
-                if zc:
-                    continue
-                cur = self._current(p)
-                if cur is None:
+            for i, (p, view, zc) in enumerate(zip(self.params, self.views, self.zero_copy)):
+                if self.flags is not None and self.flags[i] == 0:
+                    p.grad = None  # no rank produced a gradient for it
+                elif zc:
+                    self._attach(p, view)
+                elif self._current(p) is None:
                     p.grad = view.to(p.device)
                 else:
-                    cur.copy_(view, non_blocking=False)
+                    self._current(p).copy_(view)
 
     def zero_(self, set_to_none: bool = False) -> None:
         """Zero all bound gradients; CPU ones stay views into the slot."""
@@ -84,9 +113,13 @@ class SlotBinding:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+        self._fired = [False] * len(self.params)
 
     def unbind(self) -> None:
         """Give every zero-copy parameter private storage again (before freeing)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         with torch.no_grad():
             for p, view, zc in zip(self.params, self.views, self.zero_copy):
                 cur = self._current(p)

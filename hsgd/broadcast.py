@@ -1,6 +1,6 @@
 """Keeping replicas identical: model checks and broadcasts from one rank.
 
-* :func:`check_same_parameters` compares every rank's parameter list (names,
+* :func:`check_same_model` compares every rank's parameters and buffers (names,
   shapes, dtypes) and raises the same ``ValueError`` on every rank, naming the
   first difference, instead of letting mismatched buffers hang a collective.
 * :func:`broadcast_parameters` copies parameters and buffers from ``root``.
@@ -17,41 +17,49 @@ Example::
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from ._agree import agree, collective_error
 
-__all__ = ["check_same_parameters", "broadcast_parameters", "average_buffers", "averaged_state_dict",
+__all__ = ["check_same_model", "broadcast_parameters", "average_buffers", "averaged_state_dict",
            "broadcast_optimizer_state", "broadcast_tensor_"]
 
-Signature = List[Tuple[str, Tuple[int, ...], str]]
+Signature = List[Tuple[str, Tuple[int, ...], str, bool]]
 
 
-def _signature(named: Iterable[Tuple[str, torch.Tensor]]) -> Signature:
-    return [(name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in named]
+def _signature(module: torch.nn.Module) -> Signature:
+    return [(name, tuple(t.shape), str(t.dtype).replace("torch.", ""), bool(t.requires_grad))
+            for name, t in module.state_dict(keep_vars=True).items()
+            if isinstance(t, torch.Tensor)]
+
+
+def _describe(entry) -> str:
+    name, shape, dtype, trainable = entry
+    return f"{name!r} {shape} {dtype}{' trainable' if trainable else ''}"
 
 
 def _first_difference(mine: Signature, ref: Signature, rank: int) -> Optional[str]:
     for i, (a, b) in enumerate(zip(mine, ref)):
         if a != b:
-            return (f"parameter {i} is {a[0]!r} {a[1]} {a[2]} on rank {rank} but "
-                    f"{b[0]!r} {b[1]} {b[2]} on rank 0")
+            return f"entry {i} is {_describe(a)} on rank {rank} but {_describe(b)} on rank 0"
     if len(mine) != len(ref):
         longer, who = (mine, rank) if len(mine) > len(ref) else (ref, 0)
         extra = longer[min(len(mine), len(ref))]
-        return (f"rank {rank} has {len(mine)} trainable parameters and rank 0 has "
+        return (f"rank {rank} has {len(mine)} parameters and buffers and rank 0 has "
                 f"{len(ref)}; the first extra one is {extra[0]!r} on rank {who}")
     return None
 
 
-def check_same_parameters(named: Iterable[Tuple[str, torch.Tensor]], comm) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks hold the same list.
+def check_same_model(module: torch.nn.Module, comm) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks hold the same model.
 
-    Collective. Compares names, shapes and dtypes in order against rank 0.
+    Collective. Compares every parameter and buffer (name, shape, dtype, and
+    whether it is trained), in order, against rank 0, so that neither the
+    broadcasts nor the averaging can meet buffers of different sizes.
     """
-    signatures = comm.allgather(_signature(named))
+    signatures = comm.allgather(_signature(module))
     for rank, sig in enumerate(signatures):
         diff = _first_difference(sig, signatures[0], rank)
         if diff is not None:
@@ -102,7 +110,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm, root: int 
     if comm.Get_rank() != root:
         try:
             optimizer.load_state_dict(state)
-        except (ValueError, KeyError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
             error = ValueError(f"optimizer state from rank {root} does not fit: {exc}")
     agree(comm, error)
 

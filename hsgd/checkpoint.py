@@ -44,7 +44,12 @@ def check_writable(directory) -> None:
 
 
 def save_checkpoint(directory, state: dict, step: int, keep: int = 3) -> Path:
-    """Write ``state`` as ``directory/ckpt-<step>.pt`` atomically; keep the newest ``keep``."""
+    """Write ``state`` as ``directory/ckpt-<step>.pt`` atomically; keep the newest ``keep``.
+
+    Checkpoints of later steps than ``step`` belong to an abandoned run (this
+    one resumed from an earlier checkpoint) and are removed, so that
+    :func:`latest_checkpoint` always finds this run's newest.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"ckpt-{step:09d}.pt"
@@ -55,18 +60,32 @@ def save_checkpoint(directory, state: dict, step: int, keep: int = 3) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
+        _fsync_dir(directory)  # the rename itself survives a crash
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    for old in _checkpoints(directory)[:-keep]:
+    ours = [p for p in _checkpoints(directory) if _step(p) <= step]
+    for old in ours[:-keep] + [p for p in _checkpoints(directory) if _step(p) > step]:
         old.unlink(missing_ok=True)
     return final
 
 
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _step(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
+
+
 def _checkpoints(directory: Path):
-    found = [(int(m.group(1)), p) for p in directory.glob("ckpt-*.pt") if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
+    """``ckpt-<step>.pt`` files in ``directory``, oldest step first."""
+    return sorted((p for p in directory.glob("ckpt-*.pt") if _NAME.match(p.name)), key=_step)
 
 
 def latest_checkpoint(directory) -> Optional[Path]:

@@ -105,8 +105,6 @@ class TrainConfig:
             return "--schedule step needs --milestones, e.g. --milestones 10 20"
         if self.ranks_per_node is not None and self.ranks_per_node <= 0:
             return f"--ranks-per-node must be positive, got {self.ranks_per_node}"
-        if self.resume and self.resume != "latest" and not os.path.exists(self.resume):
-            return f"--resume {self.resume}: no such checkpoint file"
         if self.resume == "latest" and not (self.checkpoint_dir or self.run_dir):
             return "--resume needs --checkpoint-dir or --run-dir to find the latest checkpoint"
         return None

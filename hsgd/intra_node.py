@@ -151,38 +151,34 @@ class SharedSlots:
         for start in range(lo, hi, step):
             yield slice(start, min(hi, start + step))
 
-    def reduce_broadcast(self, scale: float) -> None:
-        """Slice ``i`` of every slot := ``scale`` * sum over slots (one node)."""
+    def _pass(self, reduce: bool, scale: float, spread: bool) -> None:
+        """One pass over this rank's slice, chunk by chunk, on slot 0's chunk:
+        add the other slots into it (``reduce``), scale it, copy it to the
+        other slots (``spread``)."""
         for seg in range(len(self.layout.dtypes)):
             slots = [s[seg] for s in self._slots]
             for sl in self._chunks(seg):
                 acc = slots[0][sl]
-                for other in slots[1:]:
-                    acc.add_(other[sl])
+                if reduce:
+                    for other in slots[1:]:
+                        acc.add_(other[sl])
                 if scale != 1.0:
                     acc.mul_(scale)
-                for other in slots[1:]:
-                    other[sl].copy_(acc)
+                if spread:
+                    for other in slots[1:]:
+                        other[sl].copy_(acc)
+
+    def reduce_broadcast(self, scale: float) -> None:
+        """Slice ``i`` of every slot := ``scale`` * sum over slots (one node)."""
+        self._pass(reduce=True, scale=scale, spread=True)
 
     def reduce_to_first(self) -> None:
         """Slice ``i`` of slot 0 := sum of slice ``i`` over all slots."""
-        for seg in range(len(self.layout.dtypes)):
-            slots = [s[seg] for s in self._slots]
-            for sl in self._chunks(seg):
-                acc = slots[0][sl]
-                for other in slots[1:]:
-                    acc.add_(other[sl])
+        self._pass(reduce=True, scale=1.0, spread=False)
 
     def broadcast_from_first(self, scale: float) -> None:
         """Slice ``i`` of every slot := ``scale`` * slice ``i`` of slot 0."""
-        for seg in range(len(self.layout.dtypes)):
-            slots = [s[seg] for s in self._slots]
-            for sl in self._chunks(seg):
-                src = slots[0][sl]
-                if scale != 1.0:
-                    src.mul_(scale)
-                for other in slots[1:]:
-                    other[sl].copy_(src)
+        self._pass(reduce=False, scale=scale, spread=True)
 
     @property
     def closed(self) -> bool:

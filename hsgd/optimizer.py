@@ -48,7 +48,7 @@ import torch
 from ._agree import agree, collective_error
 from ._binding import SlotBinding
 from .averager import HierarchicalAverager
-from .broadcast import broadcast_optimizer_state, broadcast_parameters, check_same_parameters
+from .broadcast import broadcast_optimizer_state, broadcast_parameters, check_same_model
 from .inter_node import STRATEGIES
 from .intra_node import Layout
 from .topology import Topology
@@ -136,12 +136,14 @@ class HierarchicalSGD:
         if average == "gradients" and (intra_period, inter_period) != (1, 1):
             warnings.warn("intra_period and inter_period only apply to "
                           "average='parameters'; they are ignored", stacklevel=3)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        check_same_parameters(named, comm)
-        if not named:  # the same on every rank now
+        check_same_model(model, comm)  # parameters and buffers, before any broadcast
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:  # the same on every rank now
             raise collective_error(ValueError, "the model has no trainable parameters")
+        gradients = average == "gradients"
+        specs = [(p.dtype, p.numel()) for p in params] + ([(torch.float32, len(params))] if gradients else [])
         try:
-            layout = Layout([(p.dtype, p.numel()) for _, p in named])
+            layout = Layout(specs)
         except TypeError as exc:  # same dtypes on every rank, so the same error
             raise collective_error(TypeError, str(exc)) from None
         if broadcast:
@@ -150,8 +152,12 @@ class HierarchicalSGD:
         self.average, self.intra_period, self.inter_period = average, intra_period, inter_period
         self.backward_passes_per_step = backward_passes_per_step
         self.averager = HierarchicalAverager(self.topology, layout, inter_node)
-        target = "grad" if average == "gradients" else "data"
-        self._binding = SlotBinding(self.averager, [p for _, p in named], target)
+        try:
+            self._binding = SlotBinding(self.averager, params, "grad" if gradients else "data",
+                                        flags=gradients)
+        except BaseException:
+            self.averager.close()
+            raise
         self.num_steps = 0
         self._synchronized = False
         self._skip = False
@@ -189,11 +195,16 @@ class HierarchicalSGD:
 
     # --- synchronization ---------------------------------------------------------
     def synchronize(self) -> None:
-        """Average the gradients over all ranks now (``average="gradients"`` only)."""
+        """Average the gradients over all ranks now (``average="gradients"`` only).
+
+        A second call before ``step()`` or ``zero_grad()`` does nothing.
+        """
         self._check_open()
         if self.average != "gradients":
             raise RuntimeError("synchronize() averages gradients; with average='parameters' "
                                "the parameters are averaged inside step()")
+        if self._synchronized:
+            return
         self._binding.gather()
         self.averager.average("global", 1.0 / self.backward_passes_per_step)
         self._binding.scatter()
@@ -260,7 +271,12 @@ class HierarchicalSGD:
             raise RuntimeError("HierarchicalSGD is closed; build a new one to keep training")
 
     def close(self) -> None:
-        """Free the shared window (collective). Gradients and parameters keep their values."""
+        """Free the shared window (collective). Gradients and parameters keep their values.
+
+        ``p.grad`` and ``p.data`` get private copies; any other reference taken
+        earlier to them (a saved ``p.grad``, a ``state_dict()`` of the model in
+        parameters mode) pointed into the window and must not be used after.
+        """
         if self._closed:
             return
         self._closed = True

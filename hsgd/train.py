@@ -53,8 +53,12 @@ EXIT_BAD_INPUT = 2
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint written after a signal; requeue and --resume
 
 
+STOP_CHECK_STEPS = 10  # how often the ranks agree on a received stop signal
+
+
 class StopSignal:
-    """Remembers SIGUSR1/SIGTERM; ranks agree on it at the next log step."""
+    """Remembers SIGUSR1/SIGTERM from the moment it is built (first thing in ``main``);
+    the ranks agree on it every ``STOP_CHECK_STEPS`` steps and at epoch ends."""
 
     def __init__(self):
         self.received = 0.0
@@ -71,11 +75,7 @@ def setup(cfg: TrainConfig, comm):
     logging.basicConfig(level=logging.INFO if topo.rank == 0 else logging.WARNING,
                         format=f"[rank {topo.rank}] %(message)s", stream=sys.stderr)
     torch.set_num_threads(cfg.threads or _default_threads(topo.local_size))
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        check_all(comm, _check_cuda)
-        torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
-    device = torch.device("cuda" if use_cuda else "cpu")
+    device = _pick_device(cfg.device, comm)
     run_dir = Path(on_root(comm, _make_run_dir, cfg))
     ckpt_dir = Path(cfg.checkpoint_dir or run_dir / "checkpoints")
     on_root(comm, check_writable, ckpt_dir)
@@ -90,9 +90,20 @@ def _default_threads(local_size: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // local_size)
 
 
-def _check_cuda():
-    if not torch.cuda.is_available():
-        raise ValueError("--device cuda, but torch sees no GPU; use --device cpu or auto")
+def _pick_device(choice: str, comm) -> torch.device:
+    """CPU, or the GPU of this rank's index among the ranks of its host; agreed by all ranks."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    everywhere = comm.allreduce(int(torch.cuda.is_available()), op=MPI.MIN)
+    if not everywhere:
+        if choice == "cuda":
+            raise collective_error(ValueError, "--device cuda, but torch sees no GPU on at least "
+                                   "one rank; use --device cpu or auto")
+        return torch.device("cpu")
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    torch.cuda.set_device(host.Get_rank() % torch.cuda.device_count())
+    host.Free()
+    return torch.device("cuda")
 
 
 def _make_run_dir(cfg: TrainConfig) -> str:
@@ -141,7 +152,7 @@ def build(cfg, topo, device):
 class Trainer:
     """The training loop of one rank; every method is collective over the ranks."""
 
-    def __init__(self, cfg: TrainConfig, comm):
+    def __init__(self, cfg: TrainConfig, comm, stopper: StopSignal):
         self.cfg, self.comm = cfg, comm
         self.topo, self.device, self.run_dir, self.ckpt_dir = setup(cfg, comm)
         self.is_main = self.topo.rank == 0
@@ -153,20 +164,20 @@ class Trainer:
         self.clock = PhaseClock(self.topo.rank, trace=cfg.timeline is not None)
         self.opt.averager.on_phase = self.clock.record
         self.log = MetricsLog(self.run_dir, enabled=self.is_main)
-        self.stopper = StopSignal()
+        self.stopper = stopper
         self.progress = Progress(cfg.progress, self.is_main, len(self.train_loader))
 
     def _resume(self) -> None:
         state = resume_state(self.cfg, self.ckpt_dir, self.model, self.comm)
         if state is not None:
-            self.step, self.epoch = restore(state, self.model, self.opt, self.scheduler,
-                                            self.train_loader, self.comm)
+            self.step, self.epoch, self.best = restore(state, self.model, self.opt, self.scheduler,
+                                                       self.train_loader, self.comm)
         elif self.is_main:
             logger.info("no checkpoint in %s: starting afresh", self.ckpt_dir)
 
     def save(self) -> None:
         state = checkpoint_state(self.cfg, self.model, self.opt, self.scheduler,
-                                 self.train_loader, self.step, self.epoch, self.comm)
+                                 self.train_loader, self.step, self.epoch, self.best, self.comm)
         on_root(self.comm, save_checkpoint, self.ckpt_dir, state, self.step)
 
     def run(self) -> int:
@@ -185,11 +196,9 @@ class Trainer:
         self.progress.start_epoch(self.epoch, loader.position)
         start, totals, times = time.perf_counter(), torch.zeros(4, dtype=torch.float64), Counter()
         window, window_start, stop, batches = torch.zeros(4, dtype=torch.float64), start, None, iter(loader)
-        while stop is None:
+        while stop is None and loader.position < len(loader):
             with self.clock.phase("data"):
-                batch = next(batches, None)
-            if batch is None:
-                break
+                batch = next(batches)
             loss, correct, n = _train_step(self.model, self.opt, batch, self.device, self.clock)
             self.scheduler.step()
             self.step, run_steps = self.step + 1, run_steps + 1
@@ -199,25 +208,32 @@ class Trainer:
                 totals += window
                 window.zero_()
                 window_start = time.perf_counter()
+            elif self.step % STOP_CHECK_STEPS == 0:
+                stop = self._agree_stop()
             self.progress.advance()
             if cfg.stop_after and run_steps >= cfg.stop_after:
                 stop = stop or "stop-after"
             if stop is None and cfg.save_every and self.step % cfg.save_every == 0:
                 self.save()
-        stop = self._agree_stop(window) or stop
-        totals += window
-        if batch is None:  # the epoch ran to its end
+        totals += self._reduce(window)
+        stop = stop or ("signal" if totals[3] > 0 else None)
+        if loader.position == len(loader):  # the epoch ran to its end
             self._end_epoch(totals, time.perf_counter() - start, times)
         return stop, run_steps
 
-    def _agree_stop(self, window) -> Optional[str]:
-        """Sum the window's loss/accuracy counts and the stop flags over ranks."""
+    def _reduce(self, window):
+        """Sum the window's loss/accuracy counts and this rank's stop flag over ranks."""
         window[3] = self.stopper.received
         self.comm.Allreduce(MPI.IN_PLACE, window.numpy(), op=MPI.SUM)
-        return "signal" if window[3] > 0 else None
+        return window
+
+    def _agree_stop(self) -> Optional[str]:
+        flag = self.comm.allreduce(self.stopper.received, op=MPI.MAX)
+        return "signal" if flag > 0 else None
 
     def _log_window(self, window, seconds: float, epoch_times: Counter) -> Optional[str]:
-        stop = self._agree_stop(window)
+        self._reduce(window)
+        stop = "signal" if window[3] > 0 else None
         times = self.clock.take()
         epoch_times.update(times)
         record = dict(epoch=self.epoch, step=self.step, loss=(window[0] / window[2]).item(),
@@ -229,11 +245,13 @@ class Trainer:
 
     def _end_epoch(self, totals, train_seconds: float, times: Counter) -> None:
         with self.clock.phase("eval"):
-            test_loss, test_acc = evaluate(self.model, self.test_loader, self.comm, self.device)
+            test_loss, test_acc = evaluate(self.model, self.test_loader, self.comm, self.device,
+                                           replicas_differ=self.cfg.average == "parameters")
         times.update(self.clock.take())
         self.best = max(self.best, test_acc)
-        record = dict(epoch=self.epoch, step=self.step, train_loss=(totals[0] / totals[2]).item(),
-                      train_acc=(totals[1] / totals[2]).item(), test_loss=test_loss,
+        seen = max(totals[2].item(), 1.0)  # 0 when resumed exactly at the epoch's end
+        record = dict(epoch=self.epoch, step=self.step, train_loss=totals[0].item() / seen,
+                      train_acc=totals[1].item() / seen, test_loss=test_loss,
                       test_acc=test_acc, lr=self.scheduler.get_last_lr()[0],
                       samples_per_s=totals[2].item() / train_seconds,
                       seconds=train_seconds + times["eval"], time=dict(times))
@@ -274,6 +292,7 @@ def _train_step(model, opt, batch, device, clock):
 
 
 def main(argv=None) -> int:
+    stopper = StopSignal()  # before anything slow: a signal during set-up must not kill us
     comm = MPI.COMM_WORLD
     try:
         cfg = parse_config(argv, quiet=comm.Get_rank() != 0)
@@ -285,7 +304,7 @@ def main(argv=None) -> int:
             print(f"python -m hsgd.train: error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        return Trainer(cfg, comm).run()
+        return Trainer(cfg, comm, stopper).run()
     except Exception as exc:  # noqa: BLE001 - sorted below
         if getattr(exc, "hsgd_agreed", False):  # raised on every rank alike
             if comm.Get_rank() == 0:

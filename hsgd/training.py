@@ -96,9 +96,25 @@ def make_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
 
 
 @torch.no_grad()
-def evaluate(model, loader: ContiguousH5Loader, comm, device) -> Tuple[float, float]:
-    """Mean loss and top-1 accuracy over the whole split, each sample counted once."""
-    average_buffers(model, comm)
+def evaluate(model, loader: ContiguousH5Loader, comm, device, replicas_differ: bool = False):
+    """Mean loss and top-1 accuracy over the whole split, each sample counted once.
+
+    With ``replicas_differ`` (local SGD between averaging steps) the score is
+    that of the model averaged over ranks, the one a checkpoint holds; each
+    rank's own replica is put back afterwards.
+    """
+    if not replicas_differ:
+        average_buffers(model, comm)
+        return _score(model, loader, comm, device)
+    own = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(averaged_state_dict(model, comm))
+    try:
+        return _score(model, loader, comm, device)
+    finally:
+        model.load_state_dict(own)
+
+
+def _score(model, loader, comm, device) -> Tuple[float, float]:
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
     for x, y in loader:
@@ -126,38 +142,39 @@ def _check_compatible(state: dict, model: torch.nn.Module, cfg: TrainConfig, pat
 
 
 def resume_state(cfg: TrainConfig, checkpoint_dir: Path, model, comm) -> Optional[dict]:
-    """Rank 0 loads the checkpoint to resume from; every rank gets it (or ``None``).
+    """Rank 0 loads the checkpoint to resume from; every rank gets its part (or ``None``).
 
-    Per-rank entries (``replicas``, ``rng``) are scattered, not broadcast:
-    each rank receives only its own, as ``state["replica"]`` and ``state["rng"]``.
+    Per-rank entries (``replicas``, ``rng``) are scattered, each rank getting
+    its own as ``state["replica"]`` / ``state["rng"]``; the rest is broadcast
+    once. From a run with another number of ranks, only the shared part is used.
     """
+    state = None
+
     def load():
+        nonlocal state
         path = latest_checkpoint(checkpoint_dir) if cfg.resume == "latest" else Path(cfg.resume)
-        if path is None:
-            return None
-        state = load_checkpoint(path)
-        _check_compatible(state, model, cfg, path)
-        logger.info("resuming from %s (step %d)", path, state["step"])
-        return state
-    state = on_root(comm, load)  # rank 0 holds the state, the others None
-    found = comm.bcast(state is not None, root=0)
-    if not found:
+        if path is not None:
+            state = load_checkpoint(path)
+            _check_compatible(state, model, cfg, path)
+            logger.info("resuming from %s (step %d)", path, state["step"])
+    check_all(comm, load if comm.Get_rank() == 0 else (lambda: None))
+    same_world = comm.bcast(None if state is None else state.get("world_size") == comm.Get_size())
+    if same_world is None:
         return None
-    same_world = comm.bcast(state.get("world_size") == comm.Get_size() if state else None, root=0)
-    per_rank = {}
+    mine = {}
     for key in ("replicas", "rng"):
         entries = state.pop(key, None) if state is not None else None
-        per_rank[key] = comm.scatter(entries if same_world and entries else None, root=0)
+        mine[key] = comm.scatter(entries if same_world and entries else None, root=0)
     state = comm.bcast(state, root=0)
-    state["replica"], state["rng"] = per_rank["replicas"], per_rank["rng"]
+    state["replica"], state["rng"], state["same_world"] = mine["replicas"], mine["rng"], same_world
     if not same_world and comm.Get_rank() == 0:
         logger.warning("the checkpoint is from %s ranks, this run has %d: resuming from the "
-                       "averaged model; RNG streams and local replicas start afresh",
-                       state.get("world_size"), comm.Get_size())
+                       "averaged model at the start of epoch %d; RNG streams start afresh",
+                       state.get("world_size"), comm.Get_size(), state["epoch"])
     return state
 
 
-def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, comm) -> dict:
+def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, best, comm) -> dict:
     """Everything a resumed run needs; collective, rank 0 gets the full dict.
 
     ``model`` is the average over ranks (the replicas are identical in
@@ -168,21 +185,28 @@ def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, comm) -> d
     rng = comm.gather(torch.get_rng_state(), root=0)
     state = {"model": averaged_state_dict(model, comm), "optimizer": opt.state_dict(),
              "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-             "rng": rng, "step": step, "epoch": epoch, "config": asdict(cfg),
-             "world_size": comm.Get_size()}
+             "rng": rng, "step": step, "epoch": epoch, "best_test_acc": best,
+             "config": asdict(cfg), "world_size": comm.Get_size()}
     if opt.average == "parameters":
         state["replicas"] = comm.gather({"model": model.state_dict(), "optimizer": opt.state_dict()},
                                         root=0)
     return state
 
 
-def restore(state: dict, model, opt, scheduler, loader, comm) -> Tuple[int, int]:
-    """Load a checkpoint's state on this rank; returns (step, epoch)."""
+def restore(state: dict, model, opt, scheduler, loader, comm) -> Tuple[int, int, float]:
+    """Load a checkpoint's state on this rank; returns (step, epoch, best test accuracy).
+
+    With another number of ranks the data order cannot continue mid-epoch:
+    the interrupted epoch starts again from its beginning.
+    """
     own = state.get("replica") or {}
     model.load_state_dict(own.get("model", state["model"]))
     opt.load_state_dict(own.get("optimizer", state["optimizer"]))
     scheduler.load_state_dict(state["scheduler"])
-    check_all(comm, loader.load_state_dict, state["loader"])
+    if state["same_world"]:
+        check_all(comm, loader.load_state_dict, state["loader"])
+    else:
+        loader.set_epoch(int(state["epoch"]))
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])
-    return int(state["step"]), int(state["epoch"])
+    return int(state["step"]), int(state["epoch"]), float(state.get("best_test_acc", 0.0))

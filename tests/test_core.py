@@ -99,6 +99,10 @@ def test_gradients_are_views_into_shared_memory():
 
 def test_parameter_mode_binds_values_and_schedule():
     model, opt = model_and_opt(average="parameters", intra_period=2, inter_period=3)
+    window = opt.averager.own(0)
+    lo = window.data_ptr()
+    for p in model.parameters():
+        assert lo <= p.data_ptr() < lo + window.numel() * window.element_size()
     levels = [opt.averaging_level(t) for t in range(8)]
     assert levels == ["global", None, "node", None, "node", None, "global", None]
     with pytest.raises(RuntimeError, match="average='parameters'"):

@@ -29,7 +29,8 @@ def train(nprocs, args, cache, timeout=300):
 
 
 def records(run_dir, event):
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    """Complete records of ``event`` (a line still being written is skipped)."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().split("\n")[:-1]
     return [r for r in map(json.loads, lines) if r["event"] == event]
 
 
@@ -58,22 +59,29 @@ def test_run_writes_metrics_timeline_and_report(tmp_path, cache):
     assert (run / "plots" / "accuracy.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("extra", [[], ["--average", "parameters", "--intra-period", "2",
-                                        "--inter-period", "2", "--ranks-per-node", "1"]])
-def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, extra):
+LOCAL_SGD = ["--average", "parameters", "--intra-period", "2", "--inter-period", "2",
+             "--ranks-per-node", "1"]
+
+
+# 1600 training samples at batch 64: 25 steps per epoch, so 25 stops on an epoch's last step
+@pytest.mark.parametrize("extra,stop_at", [([], 23), (LOCAL_SGD, 23), ([], 25)])
+def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, extra, stop_at):
     common = [*SMALL, "--optimizer", "sgd", "--lr", "0.05", *extra]
     whole = train(2, [*common, "--run-dir", str(tmp_path / "whole")], cache)
     assert whole.returncode == 0, whole.stderr
     part = tmp_path / "part"
-    first = train(2, [*common, "--run-dir", str(part), "--stop-after", "23"], cache)
+    first = train(2, [*common, "--run-dir", str(part), "--stop-after", str(stop_at)], cache)
     assert first.returncode == 0, first.stderr
-    assert "stopped (stop-after) after 23 steps" in first.stderr
+    assert f"stopped (stop-after) after {stop_at} steps" in first.stderr
     second = train(2, [*common, "--run-dir", str(part), "--resume"], cache)
     assert second.returncode == 0, second.stderr
     assert "resuming from" in second.stderr
     want, got = final_model(tmp_path / "whole" / "checkpoints"), final_model(part / "checkpoints")
     for key in want:
         assert torch.equal(want[key], got[key]), key
+    epochs = records(part, "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    assert all(e["train_loss"] == e["train_loss"] and e["train_loss"] > 0 for e in epochs)  # no NaN
 
 
 def test_signal_checkpoints_and_exits_for_requeue(tmp_path, cache):

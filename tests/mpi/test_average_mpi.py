@@ -20,14 +20,21 @@ def tolerance(size):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_global_mean_is_closed_form(comm, strategy, rpn, dtype):
     with Topology.from_comm(comm, ranks_per_node=rpn) as topo:
-        layout = Layout([(dtype, torch.Size(s).numel()) for s in SHAPES])
+        # the other dtype's tensor in between: two segments, interleaved places
+        other = torch.float64 if dtype == torch.float32 else torch.float32
+        layout = Layout([(dtype, torch.Size(SHAPES[0]).numel()), (other, 1000),
+                         *[(dtype, torch.Size(s).numel()) for s in SHAPES[1:]]])
+        places = [layout.places[0], *layout.places[2:]]
         with HierarchicalAverager(topo, layout, strategy) as avg:
-            for (seg, off), shape in zip(layout.places, SHAPES):
+            seg1, off1 = layout.places[1]
+            avg.own(seg1)[off1:off1 + 1000] = float(comm.rank)
+            for (seg, off), shape in zip(places, SHAPES):
                 n = torch.Size(shape).numel()
                 # element j of rank r holds r + j, so a misplaced slice shows
                 avg.own(seg)[off:off + n] = comm.rank + torch.arange(n, dtype=dtype)
             avg.average("global")
-            for (seg, off), shape in zip(layout.places, SHAPES):
+            assert torch.all(avg.own(seg1)[off1:off1 + 1000] == (comm.size - 1) / 2)
+            for (seg, off), shape in zip(places, SHAPES):
                 n = torch.Size(shape).numel()
                 want = (comm.size - 1) / 2 + torch.arange(n, dtype=dtype)
                 tol = tolerance(comm.size)

@@ -245,3 +245,65 @@ def test_close_keeps_values_and_use_after_close_raises(comm):
             call()
     opt.close()  # idempotent
 
+
+
+def test_parameter_no_rank_used_is_left_alone(comm):
+    model = Branchy()
+    x = torch.ones(2, 4, dtype=torch.float64)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    before = model.branch.weight.detach().clone()
+    with HierarchicalSGD(inner, model) as opt:
+        for _ in range(3):
+            opt.zero_grad()
+            model(x, use_branch=False).backward()
+            opt.step()
+            assert model.branch.weight.grad is None and model.trunk.weight.grad is not None
+        assert torch.equal(model.branch.weight.detach(), before)
+        opt.zero_grad()
+        model(x, use_branch=True).backward()  # used again: back to a shared-memory view
+        opt.step()
+        assert model.branch.weight.grad is not None
+        assert not torch.equal(model.branch.weight.detach(), before)
+
+
+def test_buffer_mismatch_raises_instead_of_hanging(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to differ")
+    model = mlp()
+    size = 5 if comm.rank == comm.size - 1 else 4
+    model.register_buffer("table", torch.zeros(size))
+    with pytest.raises(ValueError, match="'table'"):
+        HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+
+def test_synchronize_twice_averages_once(comm):
+    model = mlp()
+    x, y = fixed_batch()
+    with HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                         backward_passes_per_step=2) as opt:
+        torch.nn.functional.cross_entropy(model(shard(x, comm.rank, comm.size)),
+                                          shard(y, comm.rank, comm.size)).backward()
+        opt.synchronize()
+        once = [p.grad.clone() for p in model.parameters()]
+        opt.synchronize()
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), once))
+
+
+@pytest.mark.filterwarnings("ignore:inter_node='sharded' needs nodes")
+def test_parameter_mode_sharded_equals_leader(comm):
+    results = []
+    for inter_node in ("leader", "sharded"):
+        model = mlp()
+        x, y = fixed_batch()
+        with Topology.from_comm(comm, ranks_per_node=2) as topo, \
+                HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, topology=topo,
+                                inter_node=inter_node, average="parameters", intra_period=2,
+                                inter_period=2) as opt:
+            for _ in range(6):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(shard(x, comm.rank, comm.size)),
+                                                  shard(y, comm.rank, comm.size)).backward()
+                opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
