@@ -276,7 +276,8 @@ class Trainer:
 
 def _train_step(model, opt, batch, device, clock):
     """Forward, backward, average, update; returns (loss, correct, samples) as floats."""
-    x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+    x = batch[0].to(device, torch.float32, non_blocking=True)  # any stored dtype, e.g. uint8 images
+    y = batch[1].to(device, non_blocking=True)
     with clock.phase("compute"):
         opt.zero_grad()
         out = model(x)

@@ -118,7 +118,7 @@ def _score(model, loader, comm, device) -> Tuple[float, float]:
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
     for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = x.to(device, torch.float32, non_blocking=True), y.to(device, non_blocking=True)
         out = model(x)
         sums[0] += torch.nn.functional.cross_entropy(out, y, reduction="sum").item()
         sums[1] += (out.argmax(1) == y).sum().item()

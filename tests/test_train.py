@@ -153,3 +153,19 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, cache):
     assert second.returncode == 2
     errors = [line for line in second.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "different model" in errors[0], second.stderr
+
+
+@pytest.mark.parametrize("layout", ["chw", "hwc"])
+def test_resnet_on_images(tmp_path, cache, layout):
+    """The ResNet with BatchNorm on tiny images, both channel layouts."""
+    gen = np.random.default_rng(0)
+    y = gen.integers(0, 3, 192)
+    x = gen.normal(size=(192, 3, 8, 8)).astype(np.float32) + y[:, None, None, None]
+    if layout == "hwc":
+        x = x.transpose(0, 2, 3, 1).copy()
+    data = bad_h5(tmp_path, "images.h5", x_train=x[:128], y_train=y[:128], x_test=x[128:], y_test=y[128:])
+    run = tmp_path / "run"
+    proc = train(2, ["--data", data, "--model", "resnet", "--optimizer", "sgd", "--lr", "0.05",
+                     "--epochs", "3", "--batch-size", "32", "--run-dir", str(run)], cache)
+    assert proc.returncode == 0, proc.stderr
+    assert records(run, "epoch")[-1]["test_acc"] > 0.6  # classes are shifted means: easy
