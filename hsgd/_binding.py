@@ -95,7 +95,7 @@ class SlotBinding:
                 if self.flags is not None and self.flags[i] == 0:
                     p.grad = None  # no rank produced a gradient for it
                 elif zc:
-                    self._attach(p, view)
+                    continue  # the view itself was averaged; gather() attached it
                 elif self._current(p) is None:
                     p.grad = view.to(p.device)
                 else:

@@ -16,9 +16,9 @@ leaves the mean in every slot:
     fence; slice_i(all slots) := slice_i(slot_0) / world     # spread back
     fence
 
-With a single node, ``"global"`` is the fused one-pass node mean. Time spent
-is accumulated in :attr:`~HierarchicalAverager.seconds` (``"intra"`` and
-``"inter"``), for the trainer's time breakdown.
+With a single node, ``"global"`` is the fused one-pass node mean. Set
+:attr:`~HierarchicalAverager.on_phase` to receive the time of every
+``"intra"`` and ``"inter"`` phase, for the trainer's time breakdown.
 
 Example::
 
@@ -56,8 +56,6 @@ class HierarchicalAverager:
         except BaseException:
             self.slots.close()
             raise
-        self.seconds = {"intra": 0.0, "inter": 0.0}
-        self.calls = 0
         # Optional callback(phase, start, end) with perf_counter times, e.g.
         # hsgd.metrics.PhaseClock.record for the trainer's time breakdown.
         self.on_phase = None
@@ -76,7 +74,6 @@ class HierarchicalAverager:
             raise ValueError(f"Invalid level: {level!r}; choose one of {list(LEVELS)}")
         if self.slots.closed:
             raise RuntimeError("HierarchicalAverager is closed; its shared window was freed")
-        self.calls += 1
         topo = self.topology
         if level == "node" or topo.num_nodes == 1:
             self._timed("intra", self._node_mean, scale)
@@ -88,10 +85,8 @@ class HierarchicalAverager:
     def _timed(self, key: str, fn, *args) -> None:
         start = time.perf_counter()
         fn(*args)
-        end = time.perf_counter()
-        self.seconds[key] += end - start
         if self.on_phase is not None:
-            self.on_phase(key, start, end)
+            self.on_phase(key, start, time.perf_counter())
 
     def _node_mean(self, scale: float) -> None:
         if self.slots.local_size == 1:
