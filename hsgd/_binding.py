@@ -13,11 +13,15 @@ pointers, copies the value in, and restores the view. A missing gradient
 (an unused branch) counts as zero.
 
 With ``flags=True`` (gradient binding) the slot also carries one "used" flag
-per parameter, set by a post-accumulate-grad hook when backward produced a
-gradient (or when ``p.grad`` was assigned). The flags are averaged with the
-gradients, so after averaging every rank knows which parameters no rank used;
-those get ``p.grad = None``, as in single-process torch, and the optimizer
-leaves them alone (no momentum or weight decay step).
+per parameter. A parameter counts as used on a rank when ``p.grad`` was
+written since the last zeroing: in place (backward accumulating into the
+view, or ``p.grad.copy_(g)`` from a hand-written estimator) or by assigning a
+new tensor (backward after ``set_to_none``). Each view is its own tensor over
+the shared memory with its own version counter, so an in-place write shows as
+a changed ``_version``; an assignment shows as another data pointer. The flags are averaged with the gradients, so after averaging
+every rank knows which parameters no rank used; those get ``p.grad = None``,
+as in single-process torch, and the optimizer leaves them alone (no momentum
+or weight decay step).
 """
 
 from __future__ import annotations
@@ -27,6 +31,15 @@ from typing import List, Sequence
 import torch
 
 __all__ = ["SlotBinding"]
+
+
+def _own_tensor(segment: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """``segment[offset:offset + numel]`` as a new tensor with its own version counter.
+
+    A plain slice shares the segment's counter, so a write into one
+    parameter's gradient would look like a write into all of them.
+    """
+    return torch.from_numpy(segment.numpy()[offset:offset + numel])
 
 
 class SlotBinding:
@@ -45,23 +58,15 @@ class SlotBinding:
         self.averager = averager
         places = averager.layout.places
         self.views: List[torch.Tensor] = [
-            averager.own(seg)[off:off + p.numel()].view(p.shape)
+            _own_tensor(averager.own(seg), off, p.numel()).view(p.shape)
             for p, (seg, off) in zip(self.params, places)]
+        self._versions = [view._version for view in self.views]
         self.zero_copy = [p.device.type == "cpu" for p in self.params]
         self.flags = None
-        self._fired = [False] * len(self.params)
-        self._hooks = []
         if flags:
             seg, off = places[len(self.params)]
             self.flags = averager.own(seg)[off:off + len(self.params)]
-            self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
-                           for i, p in enumerate(self.params)]
         self.gather()
-
-    def _hook(self, index: int):
-        def mark(_param):
-            self._fired[index] = True
-        return mark
 
     def _current(self, p):
         return p.grad if self.what == "grad" else p.data
@@ -76,17 +81,19 @@ class SlotBinding:
         """Make the slot hold every parameter's current gradient (or value)."""
         with torch.no_grad():
             for i, (p, view, zc) in enumerate(zip(self.params, self.views, self.zero_copy)):
-                cur, used = self._current(p), self._fired[i]
+                cur, used = self._current(p), False
                 if cur is None:
                     view.zero_()
                 elif not (zc and cur.data_ptr() == view.data_ptr()):
                     view.copy_(cur)
                     used = True  # assigned by the user, or a fresh tensor from backward
+                elif cur._version != self._versions[i]:
+                    used = True  # written in place (backward's accumulation, or the user)
                 if zc:
                     self._attach(p, view)
                 if self.flags is not None:
                     self.flags[i] = 1.0 if used else 0.0
-                self._fired[i] = False
+            self._versions = [view._version for view in self.views]
 
     def scatter(self) -> None:
         """After averaging: give staged parameters the result, unused ones ``None``."""
@@ -113,13 +120,10 @@ class SlotBinding:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
-        self._fired = [False] * len(self.params)
+        self._versions = [view._version for view in self.views]
 
     def unbind(self) -> None:
         """Give every zero-copy parameter private storage again (before freeing)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
         with torch.no_grad():
             for p, view, zc in zip(self.params, self.views, self.zero_copy):
                 cur = self._current(p)

@@ -127,6 +127,29 @@ def test_unused_branch_counts_as_zero(comm):
         torch.testing.assert_close(model.branch.weight.grad, want)
 
 
+@pytest.mark.parametrize("write", ["copy_", "fill_", "add_"])
+@pytest.mark.parametrize("path", ["step", "synchronize"])
+def test_gradients_written_in_place_are_averaged(comm, write, path):
+    """Gradients written into p.grad without backward (as Horovod's tests do) are kept."""
+    model = torch.nn.Linear(3, 2).double()
+    with HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.5), model) as opt:
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        for p in model.parameters():
+            value = torch.full_like(p, float(comm.rank + 1))
+            getattr(p.grad, write)(value if write != "fill_" else float(comm.rank + 1))
+        if path == "synchronize":
+            opt.synchronize()
+        else:
+            opt.step()
+        mean = (comm.size + 1) / 2  # mean of 1..size
+        for p, old in zip(model.parameters(), before):
+            assert p.grad is not None, f"{write} gradient dropped after {path}()"
+            torch.testing.assert_close(p.grad, torch.full_like(p, mean), rtol=0, atol=0)
+            if path == "step":
+                torch.testing.assert_close(p.detach(), old - 0.5 * mean, rtol=0, atol=1e-15)
+
+
 def test_model_replaced_grads_are_picked_up(comm):
     """A user zeroing through the model (set_to_none) must not lose gradients."""
     x, y = fixed_batch()
