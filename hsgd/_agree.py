@@ -4,26 +4,26 @@ In a multi-rank program a check that fails on one rank only and raises there
 leaves the other ranks waiting in the next collective: the job hangs. Every
 check whose inputs may differ between ranks goes through :func:`agree`, which
 gathers each rank's verdict and raises the same exception on every rank.
+
+Only :class:`~hsgd.errors.InputError` (a bad value from the user, found by
+one of hsgd's checks) is agreed on. Any other exception is a bug: it is not
+caught here, keeps its traceback, and the entry point aborts the job.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from .errors import BY_NAME, InputError, InputValueError
+
 __all__ = ["agree", "check_all", "on_root", "collective_error"]
 
-# Exception types that may cross ranks; anything else becomes RuntimeError.
-_KNOWN = {
-    cls.__name__: cls
-    for cls in (ValueError, TypeError, RuntimeError, FileNotFoundError,
-                KeyError, PermissionError, OSError)
-}
 
-
-def agree(comm, error: Optional[BaseException]) -> None:
+def agree(comm, error: Optional[InputError]) -> None:
     """Raise on every rank of ``comm`` if ``error`` is set on any rank.
 
-    ``error`` is this rank's verdict: ``None`` when its local check passed.
+    ``error`` is this rank's verdict: ``None`` when its local check passed,
+    else the :class:`~hsgd.errors.InputError` the check raised.
     The raised exception has the type and message of the lowest failing
     rank, so every rank reports the same thing. Collective: every rank of
     ``comm`` must call it.
@@ -32,7 +32,7 @@ def agree(comm, error: Optional[BaseException]) -> None:
     verdicts = comm.allgather(mine)
     for verdict in verdicts:
         if verdict is not None:
-            raise collective_error(_KNOWN.get(verdict[0], RuntimeError), verdict[1])
+            raise collective_error(BY_NAME.get(verdict[0], InputValueError), verdict[1])
 
 
 def collective_error(cls, message: str) -> Exception:
@@ -49,11 +49,12 @@ def collective_error(cls, message: str) -> Exception:
 def check_all(comm, func, *args, **kwargs):
     """Run ``func(*args, **kwargs)`` on every rank and :func:`agree` on the outcome.
 
-    Returns ``func``'s result when it succeeded on every rank.
+    Returns ``func``'s result when it succeeded on every rank. An exception
+    other than :class:`~hsgd.errors.InputError` propagates on this rank only.
     """
     try:
         result, error = func(*args, **kwargs), None
-    except Exception as exc:  # noqa: BLE001 - re-raised collectively below
+    except InputError as exc:
         result, error = None, exc
     agree(comm, error)
     return result
@@ -68,7 +69,7 @@ def on_root(comm, func, *args, root: int = 0, **kwargs):
     if comm.Get_rank() == root:
         try:
             result = func(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - re-raised collectively below
+        except InputError as exc:
             error = exc
     agree(comm, error)
     return comm.bcast(result, root=root)

@@ -14,6 +14,8 @@ from typing import Iterable, Tuple
 import numpy as np
 import torch
 
+from .errors import InputFileNotFoundError, InputPermissionError, InputValueError
+
 __all__ = ["check_file", "check_x_dtype", "check_y", "check_lengths",
            "check_labels_nonnegative", "missing_key_error", "MAKE_DATA_HINT"]
 
@@ -26,15 +28,15 @@ def check_file(path) -> None:
     import h5py
 
     if not os.path.exists(path):
-        raise FileNotFoundError(f"data file not found: '{path}'; check the path, or "
-                                f"{MAKE_DATA_HINT}")
+        raise InputFileNotFoundError(f"data file not found: '{path}'; check the path, or "
+                                     f"{MAKE_DATA_HINT}")
     if os.path.isdir(path):
-        raise ValueError(f"'{path}' is a directory; pass the path of an HDF5 file")
+        raise InputValueError(f"'{path}' is a directory; pass the path of an HDF5 file")
     if not os.access(path, os.R_OK):
-        raise PermissionError(f"'{path}' is not readable by this user; fix its permissions")
+        raise InputPermissionError(f"'{path}' is not readable by this user; fix its permissions")
     if not h5py.is_hdf5(path):
-        raise ValueError(f"'{path}' is not an HDF5 file; convert .npy/.npz data with "
-                         "`python -m hsgd.data convert`")
+        raise InputValueError(f"'{path}' is not an HDF5 file; convert .npy/.npz data with "
+                              "`python -m hsgd.data convert`")
 
 
 def missing_key_error(path, key: str, available: Iterable[Tuple[str, tuple, str]],
@@ -49,34 +51,34 @@ def check_x_dtype(dtype, name: str) -> None:
     """Samples must be numbers that torch can hold (bool, int, uint, float, complex)."""
     dtype = np.dtype(dtype)
     if dtype.kind not in "biufc":
-        raise ValueError(f"x data set '{name}' has dtype {dtype}, which is not numeric; "
-                         "store samples as integers or floats (e.g. float32)")
+        raise InputValueError(f"x data set '{name}' has dtype {dtype}, which is not numeric; "
+                              "store samples as integers or floats (e.g. float32)")
     try:
         torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("=")))
     except TypeError:
-        raise ValueError(f"x data set '{name}' has dtype {dtype}, which torch does not "
-                         "support; store samples as float32 or float64") from None
+        raise InputValueError(f"x data set '{name}' has dtype {dtype}, which torch does not "
+                              "support; store samples as float32 or float64") from None
 
 
 def check_y(dtype, shape, name: str) -> None:
     """Labels must be a 1-D array of integers."""
     dtype = np.dtype(dtype)
     if dtype.kind not in "iu":
-        raise ValueError(f"y data set '{name}' has dtype {dtype}; labels must be integer "
-                         "class indices (convert them with y.astype(np.int64))")
+        raise InputValueError(f"y data set '{name}' has dtype {dtype}; labels must be integer "
+                              "class indices (convert them with y.astype(np.int64))")
     if len(shape) != 1:
-        raise ValueError(f"y data set '{name}' has shape {tuple(shape)}; labels must be "
-                         "1-D, one integer per sample (flatten them with y.reshape(-1))")
+        raise InputValueError(f"y data set '{name}' has shape {tuple(shape)}; labels must be "
+                              "1-D, one integer per sample (flatten them with y.reshape(-1))")
 
 
 def check_lengths(num_x: int, num_y: int, x_name: str, y_name: str) -> None:
     """x and y must hold the same, non-zero, number of samples."""
     if num_x != num_y:
-        raise ValueError(f"x '{x_name}' has {num_x} samples but y '{y_name}' has {num_y} "
-                         "labels; every sample needs exactly one label")
+        raise InputValueError(f"x '{x_name}' has {num_x} samples but y '{y_name}' has {num_y} "
+                              "labels; every sample needs exactly one label")
     if num_x == 0:
-        raise ValueError(f"x '{x_name}' has zero samples; there is nothing to train on, "
-                         "write at least one sample per rank")
+        raise InputValueError(f"x '{x_name}' has zero samples; there is nothing to train on, "
+                              "write at least one sample per rank")
 
 
 def check_labels_nonnegative(labels: np.ndarray, name: str, offset: int = 0) -> None:
@@ -86,5 +88,5 @@ def check_labels_nonnegative(labels: np.ndarray, name: str, offset: int = 0) -> 
         return
     if labels.min() < 0:
         where = int(np.argmax(labels < 0))
-        raise ValueError(f"y data set '{name}' has a negative label {labels[where]} at "
-                         f"sample {offset + where}; labels must be class indices >= 0")
+        raise InputValueError(f"y data set '{name}' has a negative label {labels[where]} at "
+                              f"sample {offset + where}; labels must be class indices >= 0")

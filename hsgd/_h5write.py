@@ -27,6 +27,7 @@ import numpy as np
 
 from ._data_checks import (check_labels_nonnegative, check_lengths, check_x_dtype,
                            check_y)
+from .errors import InputFileNotFoundError, InputValueError
 
 __all__ = ["atomic_h5", "write_pairs", "write_dataset", "chunk_rows", "CHUNK_BYTES"]
 
@@ -47,8 +48,8 @@ def atomic_h5(path):
     """Yield an ``h5py.File`` being written next to ``path``; replace ``path`` on success."""
     path = Path(path)
     if not path.parent.is_dir():
-        raise FileNotFoundError(f"output directory '{path.parent}' does not exist; "
-                                "create it first")
+        raise InputFileNotFoundError(f"output directory '{path.parent}' does not exist; "
+                                     "create it first")
     # A fresh name created exclusively ("x"), with the umask's usual permissions.
     tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
     try:
@@ -88,10 +89,10 @@ def check_pair(x, y, x_name="x", y_name="y") -> None:
     check_x_dtype(x.dtype, x_name)
     check_y(y.dtype, y.shape, y_name)
     if x.ndim == 0:
-        raise ValueError(f"x '{x_name}' is a scalar; it needs one row per sample")
+        raise InputValueError(f"x '{x_name}' is a scalar; it needs one row per sample")
     if 0 in x.shape[1:]:
-        raise ValueError(f"x '{x_name}' has shape {x.shape}: its samples are empty; "
-                         "each sample needs at least one value")
+        raise InputValueError(f"x '{x_name}' has shape {x.shape}: its samples are empty; "
+                              "each sample needs at least one value")
     check_lengths(len(x), len(y), x_name, y_name)
     check_labels_nonnegative(y, y_name)
 
@@ -118,13 +119,13 @@ def write_dataset(path, x, y, *, test_fraction: float = 0.0, shuffle: bool = Tru
     ``x_train, y_train, x_test, y_test`` (the last ``test_fraction`` of the order)."""
     check_pair(x, y)
     if not 0.0 <= test_fraction < 1.0:
-        raise ValueError(f"Invalid test_fraction: {test_fraction}; use 0 <= f < 1, e.g. 0.2")
+        raise InputValueError(f"Invalid test_fraction: {test_fraction}; use 0 <= f < 1, e.g. 0.2")
     order = (np.random.default_rng(seed).permutation(len(x)) if shuffle
              else np.arange(len(x)))
     num_test = int(round(len(x) * test_fraction))
     if test_fraction > 0 and not 0 < num_test < len(x):
-        raise ValueError(f"test_fraction {test_fraction} of {len(x)} samples leaves an "
-                         "empty train or test split; change it or pass 0 for no split")
+        raise InputValueError(f"test_fraction {test_fraction} of {len(x)} samples leaves an "
+                              "empty train or test split; change it or pass 0 for no split")
     if num_test == 0:
         pairs = [("x", "y", x, y, order)]
     else:

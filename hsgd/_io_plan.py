@@ -46,6 +46,8 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
+from .errors import InputValueError
+
 __all__ = ["EpochPlan", "plan_epoch", "rank_range", "shard_range",
            "default_block_size", "default_window_blocks", "DEFAULT_BLOCK_BYTES"]
 
@@ -95,7 +97,7 @@ def _check_counts(num_samples, world_size, batch_size) -> None:
     for name, value in (("num_samples", num_samples), ("world_size", world_size),
                         ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"Invalid {name}: {value!r}; it must be a positive integer")
+            raise InputValueError(f"Invalid {name}: {value!r}; it must be a positive integer")
 
 
 def rank_range(num_samples: int, world_size: int, rank: int, batch_size: int,
@@ -109,16 +111,16 @@ def rank_range(num_samples: int, world_size: int, rank: int, batch_size: int,
     """
     _check_counts(num_samples, world_size, batch_size)
     if not 0 <= rank < world_size:
-        raise ValueError(f"Invalid rank: {rank}; it must be in [0, {world_size})")
+        raise InputValueError(f"Invalid rank: {rank}; it must be in [0, {world_size})")
     if not pad:
         if drop_last:
-            raise ValueError("pad=False only applies with drop_last=False; "
-                             "set drop_last=False for an every-sample-once pass")
+            raise InputValueError("pad=False only applies with drop_last=False; "
+                                  "set drop_last=False for an every-sample-once pass")
         start, stop = shard_range(num_samples, world_size, rank)
         return start, stop - start
     global_batch = world_size * batch_size
     if num_samples < global_batch:
-        raise ValueError(
+        raise InputValueError(
             f"{num_samples} samples are fewer than world_size x batch_size = "
             f"{world_size} x {batch_size} = {global_batch} needed for one batch "
             f"per rank; use batch_size <= {num_samples // world_size} or fewer ranks")
@@ -232,8 +234,8 @@ class EpochPlan:
     def locate(self, batch: int) -> Tuple[int, int]:
         """``(window, skip)``: batch ``batch`` starts ``skip`` samples into ``window``."""
         if not 0 <= batch <= self.num_batches:
-            raise ValueError(f"Invalid batch position {batch}; this epoch has "
-                             f"{self.num_batches} batches")
+            raise InputValueError(f"Invalid batch position {batch}; this epoch has "
+                                  f"{self.num_batches} batches")
         position = batch * self.batch_size
         sizes = [self.window_size(w) for w in range(self.num_windows)]
         window = int(np.searchsorted(np.cumsum(sizes), position, side="right"))
@@ -254,10 +256,10 @@ def plan_epoch(num_samples: int, world_size: int, rank: int, batch_size: int,
     """
     for name, value in (("block_size", block_size), ("window_blocks", window_blocks)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"Invalid {name}: {value!r}; it must be a positive integer")
+            raise InputValueError(f"Invalid {name}: {value!r}; it must be a positive integer")
     for name, value in (("seed", seed), ("epoch", epoch)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"Invalid {name}: {value!r}; it must be an integer >= 0")
+            raise InputValueError(f"Invalid {name}: {value!r}; it must be an integer >= 0")
     start, count = rank_range(num_samples, world_size, rank, batch_size, drop_last, pad)
     order, offset = _block_order(num_samples, block_size, shuffle, seed, epoch)
     segments = _stream_segments(num_samples, block_size, order, offset, start, count)

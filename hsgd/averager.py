@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from .errors import InputValueError
 from .inter_node import make_inter_node
 from .intra_node import Layout, SharedSlots
 
@@ -71,7 +72,7 @@ class HierarchicalAverager:
     def average(self, level: str = "global", scale: float = 1.0) -> None:
         """Replace every rank's slot by ``scale`` times the node or world mean."""
         if level not in LEVELS:
-            raise ValueError(f"Invalid level: {level!r}; choose one of {list(LEVELS)}")
+            raise InputValueError(f"Invalid level: {level!r}; choose one of {list(LEVELS)}")
         if self.slots.closed:
             raise RuntimeError("HierarchicalAverager is closed; its shared window was freed")
         topo = self.topology

@@ -22,6 +22,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ._agree import agree, collective_error
+from .errors import InputValueError
 
 __all__ = ["check_same_model", "broadcast_parameters", "average_buffers", "averaged_state_dict",
            "broadcast_optimizer_state", "broadcast_tensor_"]
@@ -63,7 +64,7 @@ def check_same_model(module: torch.nn.Module, comm) -> None:
     for rank, sig in enumerate(signatures):
         diff = _first_difference(sig, signatures[0], rank)
         if diff is not None:
-            raise collective_error(ValueError, (
+            raise collective_error(InputValueError, (
                 f"the model differs between ranks: {diff}. Build the same model "
                 "on every rank (same code, same arguments) before wrapping it"))
 
@@ -111,7 +112,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm, root: int 
         try:
             optimizer.load_state_dict(state)
         except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
-            error = ValueError(f"optimizer state from rank {root} does not fit: {exc}")
+            error = InputValueError(f"optimizer state from rank {root} does not fit: {exc}")
     agree(comm, error)
 
 

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from .errors import InputFileNotFoundError, InputPermissionError, InputValueError
+
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_writable"]
 
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
@@ -39,8 +41,8 @@ def check_writable(directory) -> None:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
             pass
     except OSError as exc:
-        raise PermissionError(f"cannot write checkpoints to {directory}: {exc.strerror or exc}; "
-                              "pass a writable --checkpoint-dir") from None
+        raise InputPermissionError(f"cannot write checkpoints to {directory}: {exc.strerror or exc}; "
+                                   "pass a writable --checkpoint-dir") from None
 
 
 def save_checkpoint(directory, state: dict, step: int, keep: int = 3) -> Path:
@@ -105,12 +107,12 @@ def load_checkpoint(path) -> dict:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint file {path}")
+        raise InputFileNotFoundError(f"no checkpoint file {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not ours"
-        raise ValueError(f"{path} is not a readable hsgd checkpoint ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise InputValueError(f"{path} is not a readable hsgd checkpoint ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
-        raise ValueError(f"{path} is not an hsgd checkpoint (no 'model'/'step' entries)")
+        raise InputValueError(f"{path} is not an hsgd checkpoint (no 'model'/'step' entries)")
     return state

@@ -97,16 +97,33 @@ class TrainConfig:
         for name in ("momentum", "weight_decay", "threads", "save_every", "stop_after"):
             if getattr(self, name) < 0:
                 return f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
+        if not 0 <= self.momentum < 1:
+            return f"--momentum must be in [0, 1) (0.9 is usual, 0 disables it), got {self.momentum}"
+        if self.nesterov and self.momentum == 0 and self.optimizer in ("sgd", "lars"):
+            return "--nesterov needs --momentum > 0 (e.g. --momentum 0.9); or drop --nesterov"
+        if not self.trust_coefficient > 0:
+            return (f"--trust-coefficient must be positive (0.001 in the LARS paper), "
+                    f"got {self.trust_coefficient}")
         if self.warmup_epochs is not None and self.warmup_epochs < 0:
             return f"--warmup-epochs must be >= 0, got {self.warmup_epochs}"
         if self.warmup() >= self.epochs and self.schedule != "constant":
             return f"--warmup-epochs ({self.warmup_epochs}) must be shorter than --epochs ({self.epochs})"
-        if self.schedule == "step" and not self.milestones:
-            return "--schedule step needs --milestones, e.g. --milestones 10 20"
+        problem = self._milestones_problem() if self.schedule == "step" else None
+        if problem:
+            return problem
         if self.ranks_per_node is not None and self.ranks_per_node <= 0:
             return f"--ranks-per-node must be positive, got {self.ranks_per_node}"
         if self.resume == "latest" and not (self.checkpoint_dir or self.run_dir):
             return "--resume needs --checkpoint-dir or --run-dir to find the latest checkpoint"
+        return None
+
+    def _milestones_problem(self) -> Optional[str]:
+        if not self.milestones:
+            return "--schedule step needs --milestones, e.g. --milestones 10 20"
+        ms = self.milestones
+        if any(not 0 < m < self.epochs for m in ms) or any(a >= b for a, b in zip(ms, ms[1:])):
+            return (f"--milestones must be increasing epochs between 1 and {self.epochs - 1} "
+                    f"(--epochs {self.epochs}), got {' '.join(map(str, ms))}")
         return None
 
     def warmup(self) -> float:

@@ -42,6 +42,7 @@ from ._data_checks import check_file
 from ._h5write import write_dataset, write_pairs
 from ._io_plan import default_window_blocks
 from ._loader_setup import list_datasets, loader_block_size
+from .errors import InputError, InputFileNotFoundError, InputValueError
 
 __all__ = ["write_mnist1d", "ensure_mnist1d", "describe", "main"]
 
@@ -67,8 +68,8 @@ def write_mnist1d(path, *, num_samples: int = 5000, seed: int = 42,
                   compress: bool = False) -> Path:
     """Generate MNIST-1D (offline) and write it to ``path`` (layout in the module docstring)."""
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 10:
-        raise ValueError(f"Invalid num_samples: {num_samples!r}; MNIST-1D needs at least "
-                         "10 (one per class)")
+        raise InputValueError(f"Invalid num_samples: {num_samples!r}; MNIST-1D needs at least "
+                              "10 (one per class)")
     x, y, x_test, y_test = _mnist1d_arrays(num_samples, seed)
     pairs = [("x_train", "y_train", x.astype(np.float32), y.astype(np.int64), None),
              ("x_test", "y_test", x_test.astype(np.float32), y_test.astype(np.int64), None)]
@@ -89,7 +90,7 @@ def ensure_mnist1d(directory, *, num_samples: int = 5000, seed: int = 42, comm=N
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_mnist1d(path, num_samples=num_samples, seed=seed)
-        except Exception as exc:  # noqa: BLE001 - agreed below
+        except InputError as exc:
             error = exc
     if comm is not None:
         agree(comm, error)  # also orders: rank 0's os.replace before anyone returns
@@ -155,30 +156,30 @@ def _describe_row(row: dict):
 
 def _load_npy(path, what: str):
     if not Path(path).is_file():
-        raise FileNotFoundError(f"{what} file not found: '{path}'; check the path")
+        raise InputFileNotFoundError(f"{what} file not found: '{path}'; check the path")
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except ValueError as exc:
         if "allow_pickle" in str(exc) or "Python objects" in str(exc):
-            raise ValueError(f"'{path}' holds Python objects, which are not numeric; save "
-                             "numbers, e.g. np.save(path, x.astype(np.float32))") from None
-        raise ValueError(f"'{path}' is not a .npy file ({exc}); save it with np.save") from None
+            raise InputValueError(f"'{path}' holds Python objects, which are not numeric; save "
+                                  "numbers, e.g. np.save(path, x.astype(np.float32))") from None
+        raise InputValueError(f"'{path}' is not a .npy file ({exc}); save it with np.save") from None
 
 
 def _load_inputs(args):
     if args.npz is None:
         if args.x is None or args.y is None:
-            raise ValueError("convert needs --x X.npy and --y Y.npy, or --npz DATA.npz")
+            raise InputValueError("convert needs --x X.npy and --y Y.npy, or --npz DATA.npz")
         return _load_npy(args.x, "--x"), _load_npy(args.y, "--y")
     if args.x is not None or args.y is not None:
-        raise ValueError("pass --npz or --x/--y, not both")
+        raise InputValueError("pass --npz or --x/--y, not both")
     archive = _load_npy(args.npz, "--npz")
     if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise ValueError(f"'{args.npz}' is a .npy file, not .npz; use --x and --y")
+        raise InputValueError(f"'{args.npz}' is a .npy file, not .npz; use --x and --y")
     for key, flag in ((args.npz_x, "--npz-x"), (args.npz_y, "--npz-y")):
         if key not in archive.files:
-            raise ValueError(f"'{args.npz}' has no array '{key}'; it has: "
-                             f"{', '.join(archive.files)}; pass {flag} naming one of them")
+            raise InputValueError(f"'{args.npz}' has no array '{key}'; it has: "
+                                  f"{', '.join(archive.files)}; pass {flag} naming one of them")
     return archive[args.npz_x], archive[args.npz_y]
 
 

@@ -33,6 +33,8 @@ import warnings
 import torch
 from mpi4py import MPI
 
+from .errors import InputValueError
+
 __all__ = ["LeaderAllreduce", "ShardedAllreduce", "make_inter_node", "STRATEGIES"]
 
 logger = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ class ShardedAllreduce:
 
     def __init__(self, topology):
         if not topology.equal_nodes:
-            raise ValueError(
+            raise InputValueError(
                 f"inter_node='sharded' needs nodes of equal size; got "
                 f"{list(topology.node_sizes)}. Use inter_node='leader'")
         # Ranks with the same local index, one per node, ordered by node.
@@ -90,7 +92,7 @@ def make_inter_node(name: str, topology):
     every rank sees the same node sizes, so every rank makes the same choice.
     """
     if name not in STRATEGIES:
-        raise ValueError(
+        raise InputValueError(
             f"Invalid inter_node value: {name!r}; choose one of {list(STRATEGIES)}")
     if name == "sharded" and not topology.equal_nodes:
         warnings.warn(

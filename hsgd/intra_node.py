@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .errors import InputTypeError
+
 __all__ = ["Layout", "SharedSlots", "SUPPORTED_DTYPES", "slice_bounds"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
@@ -75,7 +77,7 @@ class Layout:
         self.places: List[Tuple[int, int]] = []
         for dtype, numel in specs:
             if dtype not in SUPPORTED_DTYPES:
-                raise TypeError(
+                raise InputTypeError(
                     f"hsgd averages {', '.join(map(str, SUPPORTED_DTYPES))} tensors; "
                     f"got {dtype}. Keep master weights in float32 (e.g. torch.autocast "
                     "for mixed precision) or convert the model with .float()")

@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .errors import InputValueError
+
 __all__ = ["LARS", "lars_local_lr"]
 
 Number = Union[float, Tensor]
@@ -61,25 +63,25 @@ def _check_options(lr, momentum, weight_decay, trust_coefficient, eps,
                    nesterov, where: str = "") -> None:
     """Raise ValueError naming the first bad hyper-parameter and the fix."""
     if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError(f"Invalid learning rate{where}: a tensor lr must have "
-                         f"one element, got shape {tuple(lr.shape)}")
+        raise InputValueError(f"Invalid learning rate{where}: a tensor lr must have "
+                              f"one element, got shape {tuple(lr.shape)}")
     if not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate{where}: {lr}; use lr >= 0")
+        raise InputValueError(f"Invalid learning rate{where}: {lr}; use lr >= 0")
     if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"Invalid momentum value{where}: {momentum}; use "
-                         "0 <= momentum < 1 (0.9 is the usual choice, 0 disables it)")
+        raise InputValueError(f"Invalid momentum value{where}: {momentum}; use "
+                              "0 <= momentum < 1 (0.9 is the usual choice, 0 disables it)")
     if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value{where}: {weight_decay}; "
-                         "use weight_decay >= 0 (e.g. 5e-4 as in the LARS paper)")
+        raise InputValueError(f"Invalid weight_decay value{where}: {weight_decay}; "
+                              "use weight_decay >= 0 (e.g. 5e-4 as in the LARS paper)")
     if not trust_coefficient > 0.0:
-        raise ValueError(f"Invalid trust_coefficient value{where}: {trust_coefficient}; "
-                         "use trust_coefficient > 0 (0.001 in the LARS paper)")
+        raise InputValueError(f"Invalid trust_coefficient value{where}: {trust_coefficient}; "
+                              "use trust_coefficient > 0 (0.001 in the LARS paper)")
     if not eps >= 0.0:
-        raise ValueError(f"Invalid eps value{where}: {eps}; use eps >= 0 (e.g. 1e-8)")
+        raise InputValueError(f"Invalid eps value{where}: {eps}; use eps >= 0 (e.g. 1e-8)")
     if nesterov and momentum <= 0.0:
-        raise ValueError(f"Invalid nesterov=True{where} with momentum={momentum}: "
-                         "Nesterov momentum needs momentum > 0; set momentum "
-                         "(e.g. 0.9) or nesterov=False")
+        raise InputValueError(f"Invalid nesterov=True{where} with momentum={momentum}: "
+                              "Nesterov momentum needs momentum > 0; set momentum "
+                              "(e.g. 0.9) or nesterov=False")
 
 
 class LARS(Optimizer):

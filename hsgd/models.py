@@ -22,6 +22,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .errors import InputValueError
+
 __all__ = ["build_model", "MODELS"]
 
 MODELS = ("mlp", "cnn", "resnet")
@@ -101,18 +103,18 @@ def build_model(name: str, sample_shape: Sequence[int], num_classes: int) -> nn.
     """
     shape = tuple(int(s) for s in sample_shape)
     if name not in MODELS:
-        raise ValueError(f"Unknown model {name!r}; choose one of {list(MODELS)}")
+        raise InputValueError(f"Unknown model {name!r}; choose one of {list(MODELS)}")
     if num_classes < 2:
-        raise ValueError(f"the labels have {num_classes} class(es); a classifier needs at least 2")
+        raise InputValueError(f"the labels have {num_classes} class(es); a classifier needs at least 2")
     if name == "mlp":
         return MLP(int(torch.Size(shape).numel()), num_classes)
     if name == "cnn":
         if len(shape) not in (1, 2) or shape[-1] < 8:
-            raise ValueError(f"model 'cnn' takes 1-D signals of shape (L,) or (C, L) with L >= 8; "
-                             f"the data has samples of shape {shape}. Use --model mlp or resnet")
+            raise InputValueError(f"model 'cnn' takes 1-D signals of shape (L,) or (C, L) with L >= 8; "
+                                  f"the data has samples of shape {shape}. Use --model mlp or resnet")
         return ConvNet1d(shape, num_classes)
     if len(shape) != 3:
-        raise ValueError(f"model 'resnet' takes images of shape (C, H, W) or (H, W, C); the data "
-                         f"has samples of shape {shape}. Use --model cnn for 1-D signals")
+        raise InputValueError(f"model 'resnet' takes images of shape (C, H, W) or (H, W, C); the data "
+                              f"has samples of shape {shape}. Use --model cnn for 1-D signals")
     channels_last = _is_channels_last(shape)
     return ResNet(shape[-1] if channels_last else shape[0], num_classes, channels_last)

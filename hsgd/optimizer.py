@@ -49,6 +49,7 @@ from ._agree import agree, collective_error
 from ._binding import SlotBinding
 from .averager import HierarchicalAverager
 from .broadcast import broadcast_optimizer_state, broadcast_parameters, check_same_model
+from .errors import InputError, InputTypeError, InputValueError
 from .inter_node import STRATEGIES
 from .intra_node import Layout
 from .topology import Topology
@@ -62,30 +63,30 @@ AVERAGE_MODES = ("gradients", "parameters")
 
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Invalid {name} value: {value!r}; use an integer >= 1")
+        raise InputValueError(f"Invalid {name} value: {value!r}; use an integer >= 1")
 
 
 def _validate(optimizer, model, inter_node, average, intra_period, inter_period,
               backward_passes_per_step) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise InputTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if inter_node not in STRATEGIES:
-        raise ValueError(f"Invalid inter_node value: {inter_node!r}; choose one of {list(STRATEGIES)}")
+        raise InputValueError(f"Invalid inter_node value: {inter_node!r}; choose one of {list(STRATEGIES)}")
     if average not in AVERAGE_MODES:
-        raise ValueError(f"Invalid average value: {average!r}; choose one of {list(AVERAGE_MODES)}")
+        raise InputValueError(f"Invalid average value: {average!r}; choose one of {list(AVERAGE_MODES)}")
     _positive_int("intra_period", intra_period)
     _positive_int("inter_period", inter_period)
     _positive_int("backward_passes_per_step", backward_passes_per_step)
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("LBFGS re-evaluates the closure inside step(); wrap a first-order optimizer")
+        raise InputValueError("LBFGS re-evaluates the closure inside step(); wrap a first-order optimizer")
     trained = {id(p) for p in model.parameters() if p.requires_grad}
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad and id(p) not in trained:
-                raise ValueError("the optimizer holds a parameter that is not a trainable "
-                                 "parameter of the model; pass the model whose parameters it trains")
+                raise InputValueError("the optimizer holds a parameter that is not a trainable "
+                                      "parameter of the model; pass the model whose parameters it trains")
 
 
 class HierarchicalSGD:
@@ -127,11 +128,11 @@ class HierarchicalSGD:
         error = None
         try:
             _validate(optimizer, model, *settings)
-        except (TypeError, ValueError) as exc:
+        except InputError as exc:
             error = exc
         agree(comm, error)
         if len(set(map(repr, comm.allgather(settings)))) > 1:
-            raise collective_error(ValueError, "ranks were given different HierarchicalSGD "
+            raise collective_error(InputValueError, "ranks were given different HierarchicalSGD "
                                    "settings (inter_node, average, periods); pass the same on every rank")
         if average == "gradients" and (intra_period, inter_period) != (1, 1):
             warnings.warn("intra_period and inter_period only apply to "
@@ -139,13 +140,13 @@ class HierarchicalSGD:
         check_same_model(model, comm)  # parameters and buffers, before any broadcast
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:  # the same on every rank now
-            raise collective_error(ValueError, "the model has no trainable parameters")
+            raise collective_error(InputValueError, "the model has no trainable parameters")
         gradients = average == "gradients"
         specs = [(p.dtype, p.numel()) for p in params] + ([(torch.float32, len(params))] if gradients else [])
         try:
             layout = Layout(specs)
-        except TypeError as exc:  # same dtypes on every rank, so the same error
-            raise collective_error(TypeError, str(exc)) from None
+        except InputTypeError as exc:  # same dtypes on every rank, so the same error
+            raise collective_error(InputTypeError, str(exc)) from None
         if broadcast:
             broadcast_parameters(model, comm)
         self.optimizer, self.model = optimizer, model

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .errors import InputFileNotFoundError, InputValueError
+
 __all__ = ["Run", "load_run", "plot_run", "summary_table", "main"]
 
 logger = logging.getLogger(__name__)
@@ -62,15 +64,15 @@ def load_run(run_dir) -> Run:
     """Read ``run_dir/config.json`` (optional) and ``run_dir/metrics.jsonl``."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory {run_dir} not found: {_HOW_TO}")
+        raise InputFileNotFoundError(f"run directory {run_dir} not found: {_HOW_TO}")
     metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
-        raise FileNotFoundError(f"{metrics} not found: {_HOW_TO}")
+        raise InputFileNotFoundError(f"{metrics} not found: {_HOW_TO}")
     records = _read_jsonl(metrics)
     steps, epochs = _last_per(records, "step"), _last_per(records, "epoch")
     if not steps and not epochs:
-        raise ValueError(f"{metrics} has no step or epoch records: is the run "
-                         "still starting, or was it killed before its first log?")
+        raise InputValueError(f"{metrics} has no step or epoch records: is the run "
+                              "still starting, or was it killed before its first log?")
     return Run(_read_config(run_dir / CONFIG_FILE), steps, epochs, run_dir)
 
 
@@ -109,9 +111,9 @@ def _read_config(path: Path) -> dict:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error}): fix or delete it") from None
+        raise InputValueError(f"{path} is not valid JSON ({error}): fix or delete it") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a {type(config).__name__}, not a JSON object")
+        raise InputValueError(f"{path} holds a {type(config).__name__}, not a JSON object")
     return config
 
 
@@ -169,7 +171,7 @@ def plot_run(run: Run, out_dir=None) -> list:
     directly: no display needed, pyplot's global state left alone.
     """
     if out_dir is None and run.run_dir is None:
-        raise ValueError("plot_run: pass out_dir, this Run has no run_dir")
+        raise InputValueError("plot_run: pass out_dir, this Run has no run_dir")
     out_dir = Path(out_dir) if out_dir is not None else Path(run.run_dir) / "plots"
     written = []
     for name, draw in (("loss.png", _draw_loss), ("accuracy.png", _draw_accuracy),

@@ -49,6 +49,8 @@ from typing import Sequence
 
 from torch.optim.lr_scheduler import LRScheduler
 
+from .errors import InputValueError
+
 __all__ = ["WarmupPolyLR", "WarmupMultiStepLR", "scaled_lr"]
 
 
@@ -59,16 +61,16 @@ def _as_int(name: str, value, minimum: int) -> int:
             raise TypeError
         number = operator.index(value)
     except TypeError:
-        raise ValueError(f"Invalid {name}: {value!r}; use an integer >= {minimum}") from None
+        raise InputValueError(f"Invalid {name}: {value!r}; use an integer >= {minimum}") from None
     if number < minimum:
-        raise ValueError(f"Invalid {name}: {number}; use an integer >= {minimum}")
+        raise InputValueError(f"Invalid {name}: {number}; use an integer >= {minimum}")
     return number
 
 
 def _check_start_factor(warmup_start_factor: float) -> float:
     if not 0.0 <= warmup_start_factor <= 1.0:
-        raise ValueError(f"Invalid warmup_start_factor: {warmup_start_factor}; use a "
-                         "value in [0, 1] (warm-up starts at lr * warmup_start_factor)")
+        raise InputValueError(f"Invalid warmup_start_factor: {warmup_start_factor}; use a "
+                              "value in [0, 1] (warm-up starts at lr * warmup_start_factor)")
     return float(warmup_start_factor)
 
 
@@ -123,12 +125,12 @@ class WarmupPolyLR(_WarmupLR):
         self.total_steps = _as_int("total_steps", total_steps, 1)
         self.warmup_steps = _as_int("warmup_steps", warmup_steps, 0)
         if self.warmup_steps >= self.total_steps:
-            raise ValueError(f"Invalid warmup_steps: {warmup_steps} is not shorter than "
-                             f"total_steps={total_steps}; shorten the warm-up or train longer")
+            raise InputValueError(f"Invalid warmup_steps: {warmup_steps} is not shorter than "
+                                  f"total_steps={total_steps}; shorten the warm-up or train longer")
         if not power > 0:
-            raise ValueError(f"Invalid power: {power}; use power > 0 (2 in the LARS paper)")
+            raise InputValueError(f"Invalid power: {power}; use power > 0 (2 in the LARS paper)")
         if not end_lr >= 0:
-            raise ValueError(f"Invalid end_lr: {end_lr}; use end_lr >= 0")
+            raise InputValueError(f"Invalid end_lr: {end_lr}; use end_lr >= 0")
         self.power, self.end_lr = float(power), float(end_lr)
         self.warmup_start_factor = _check_start_factor(warmup_start_factor)
         super().__init__(optimizer, last_epoch)
@@ -168,14 +170,14 @@ class WarmupMultiStepLR(_WarmupLR):
         self.milestones = [_as_int("milestone", m, 1) for m in milestones]
         for before, after in zip(self.milestones, self.milestones[1:]):
             if after <= before:
-                raise ValueError(f"Invalid milestones: {list(milestones)} are not strictly "
-                                 "increasing; sort them and drop duplicates")
+                raise InputValueError(f"Invalid milestones: {list(milestones)} are not strictly "
+                                      "increasing; sort them and drop duplicates")
         if self.milestones and self.milestones[0] < self.warmup_steps:
-            raise ValueError(f"Invalid milestones: {self.milestones[0]} falls inside the "
-                             f"warm-up (warmup_steps={warmup_steps}); move the milestone "
-                             "to >= warmup_steps or shorten the warm-up")
+            raise InputValueError(f"Invalid milestones: {self.milestones[0]} falls inside the "
+                                  f"warm-up (warmup_steps={warmup_steps}); move the milestone "
+                                  "to >= warmup_steps or shorten the warm-up")
         if not gamma > 0:
-            raise ValueError(f"Invalid gamma: {gamma}; use 0 < gamma < 1 (e.g. 0.1)")
+            raise InputValueError(f"Invalid gamma: {gamma}; use 0 < gamma < 1 (e.g. 0.1)")
         if gamma >= 1:
             warnings.warn(f"gamma={gamma} >= 1: the rate does not decay at the milestones",
                           stacklevel=2)
@@ -201,7 +203,7 @@ def scaled_lr(base_lr: float, global_batch: int, base_batch: int = 256) -> float
         3.2
     """
     if not base_lr >= 0:
-        raise ValueError(f"Invalid base_lr: {base_lr}; use base_lr >= 0")
+        raise InputValueError(f"Invalid base_lr: {base_lr}; use base_lr >= 0")
     global_batch = _as_int("global_batch", global_batch, 1)
     base_batch = _as_int("base_batch", base_batch, 1)
     return base_lr * global_batch / base_batch

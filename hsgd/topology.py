@@ -26,6 +26,7 @@ from typing import Optional, Tuple
 from mpi4py import MPI
 
 from ._agree import agree, collective_error
+from .errors import InputValueError
 
 __all__ = ["Topology", "ENV_RANKS_PER_NODE"]
 
@@ -37,19 +38,19 @@ def _parse_ranks_per_node(value, source: str) -> Optional[int]:
     if value is None or (isinstance(value, str) and value.strip() == ""):
         return None
     if isinstance(value, bool):
-        raise ValueError(f"Invalid {source}: {value!r}; use a positive integer")
+        raise InputValueError(f"Invalid {source}: {value!r}; use a positive integer")
     if isinstance(value, str):
         try:
             value = int(value.strip())
         except ValueError:
-            raise ValueError(
+            raise InputValueError(
                 f"Invalid {source}: {value!r} is not an integer; set it to the "
                 "number of ranks per (virtual) node, e.g. 2, or unset it"
             ) from None
     if not isinstance(value, int):
-        raise ValueError(f"Invalid {source}: {value!r} is not an integer")
+        raise InputValueError(f"Invalid {source}: {value!r} is not an integer")
     if value <= 0:
-        raise ValueError(
+        raise InputValueError(
             f"Invalid {source}: {value}; it must be a positive number of ranks "
             "per node, or unset to use the physical nodes"
         )
@@ -124,7 +125,7 @@ class Topology:
         # Every rank must use the same virtual node size, or the splits differ.
         settings = set(comm.allgather(rpn))
         if len(settings) > 1:
-            raise collective_error(ValueError,
+            raise collective_error(InputValueError,
                 f"ranks disagree on ranks_per_node / {ENV_RANKS_PER_NODE}: "
                 f"{sorted(settings, key=str)}; set the same value on every rank")
         return cls._build(comm, rpn)

@@ -41,6 +41,7 @@ from ._agree import check_all, collective_error, on_root
 from ._progress import Progress
 from .checkpoint import check_writable, save_checkpoint
 from .config import TrainConfig, parse_config
+from .errors import InputPermissionError, InputValueError
 from .metrics import MetricsLog, PhaseClock, write_timeline
 from .models import build_model
 from .parallel_io import ContiguousH5Loader
@@ -97,7 +98,7 @@ def _pick_device(choice: str, comm) -> torch.device:
     everywhere = comm.allreduce(int(torch.cuda.is_available()), op=MPI.MIN)
     if not everywhere:
         if choice == "cuda":
-            raise collective_error(ValueError, "--device cuda, but torch sees no GPU on at least "
+            raise collective_error(InputValueError, "--device cuda, but torch sees no GPU on at least "
                                    "one rank; use --device cpu or auto")
         return torch.device("cpu")
     host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
@@ -112,8 +113,8 @@ def _make_run_dir(cfg: TrainConfig) -> str:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
     except OSError as exc:
-        raise PermissionError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
-                              "pass a writable --run-dir") from None
+        raise InputPermissionError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
+                                   "pass a writable --run-dir") from None
     return str(run_dir)
 
 
@@ -121,13 +122,13 @@ def build(cfg, topo, device):
     """Data loaders, model, optimizer, schedule: the same on every rank."""
     comm = topo.comm
     if cfg.batch_size % topo.size:
-        raise collective_error(ValueError, f"--batch-size {cfg.batch_size} is the global batch and "
+        raise collective_error(InputValueError, f"--batch-size {cfg.batch_size} is the global batch and "
                                f"must be a multiple of the {topo.size} ranks, e.g. "
                                f"{cfg.batch_size - cfg.batch_size % topo.size or topo.size}")
     train_path, test_path = prepare_data(cfg, comm)
     n = dataset_length(train_path, cfg.y_key, comm)
     if n is not None and n < cfg.batch_size:
-        raise collective_error(ValueError, f"--batch-size {cfg.batch_size} is larger than the {n} "
+        raise collective_error(InputValueError, f"--batch-size {cfg.batch_size} is larger than the {n} "
                                f"training samples in {train_path}; use --batch-size <= "
                                f"{max(topo.size, n - n % topo.size)} or more data")
     train = ContiguousH5Loader(train_path, cfg.x_key, cfg.y_key, batch_size=cfg.batch_size // topo.size,

@@ -22,6 +22,7 @@ from .broadcast import average_buffers, averaged_state_dict
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .config import TrainConfig
 from .data import ensure_mnist1d
+from .errors import InputValueError
 from .lars import LARS
 from .parallel_io import ContiguousH5Loader
 from .schedules import WarmupMultiStepLR, WarmupPolyLR, scaled_lr
@@ -134,7 +135,7 @@ def _check_compatible(state: dict, model: torch.nn.Module, cfg: TrainConfig, pat
     theirs = state["model"]
     differ = [k for k in mine if k not in theirs or tuple(theirs[k].shape) != tuple(mine[k].shape)]
     if differ or set(theirs) - set(mine):
-        raise ValueError(
+        raise InputValueError(
             f"checkpoint {path} was written for a different model (model={saved.get('model')!r}, "
             f"first mismatch: {(differ or sorted(set(theirs) - set(mine)))[0]!r}); this run builds "
             f"model={cfg.model!r}. Resume with the same --model and data, or use another "

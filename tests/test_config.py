@@ -1,0 +1,36 @@
+"""The trainer's command line: every bad flag gets one instruction naming the flag."""
+
+import pytest
+
+from hsgd.config import parse_config
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--optimizer", "lars", "--trust-coefficient", "0"], "--trust-coefficient"),
+    (["--optimizer", "lars", "--trust-coefficient", "-0.001"], "--trust-coefficient"),
+    (["--optimizer", "sgd", "--nesterov", "--momentum", "0"], "--nesterov"),
+    (["--optimizer", "lars", "--nesterov", "--momentum", "0"], "--nesterov"),
+    (["--momentum", "1.5"], "--momentum"),
+    (["--momentum", "1"], "--momentum"),
+    (["--momentum", "-0.1"], "--momentum"),
+    (["--schedule", "step", "--milestones", "0"], "--milestones"),
+    (["--schedule", "step", "--epochs", "10", "--milestones", "10"], "--milestones"),
+    (["--schedule", "step", "--milestones", "8", "4"], "--milestones"),
+    (["--schedule", "step"], "--milestones"),
+    (["--lr", "0"], "--lr"),
+    (["--intra-period", "0"], "--intra-period"),
+])
+def test_bad_flags_are_named(argv, flag):
+    problem = parse_config(argv).validate()
+    assert problem is not None and flag in problem, problem
+
+
+@pytest.mark.parametrize("argv", [
+    [],
+    ["--optimizer", "sgd", "--nesterov", "--momentum", "0.9"],
+    ["--optimizer", "adamw", "--momentum", "0"],
+    ["--schedule", "step", "--epochs", "30", "--milestones", "10", "20"],
+    ["--optimizer", "lars", "--trust-coefficient", "0.02"],
+])
+def test_good_flags_pass(argv):
+    assert parse_config(argv).validate() is None
