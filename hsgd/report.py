@@ -294,6 +294,8 @@ def main(argv=None) -> int:
     logger.setLevel(logging.INFO)
     try:
         run = load_run(args.run_dir)
+        if _title(run.config):
+            print(_title(run.config) + "\n")
         print(summary_table(run))
         paths = [] if args.no_plots else plot_run(run, args.out)
     except (OSError, ValueError, ImportError) as error:

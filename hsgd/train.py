@@ -77,7 +77,7 @@ def setup(cfg: TrainConfig, comm):
                         format=f"[rank {topo.rank}] %(message)s", stream=sys.stderr)
     torch.set_num_threads(cfg.threads or _default_threads(topo.local_size))
     device = _pick_device(cfg.device, comm)
-    run_dir = Path(on_root(comm, _make_run_dir, cfg))
+    run_dir = Path(on_root(comm, _make_run_dir, cfg, topo))
     ckpt_dir = Path(cfg.checkpoint_dir or run_dir / "checkpoints")
     on_root(comm, check_writable, ckpt_dir)
     return topo, device, run_dir, ckpt_dir
@@ -107,11 +107,13 @@ def _pick_device(choice: str, comm) -> torch.device:
     return torch.device("cuda")
 
 
-def _make_run_dir(cfg: TrainConfig) -> str:
+def _make_run_dir(cfg: TrainConfig, topo: Topology) -> str:
+    """Create the run directory; its config.json also records the job's shape for reports."""
     run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    job = {"world_size": topo.size, "num_nodes": topo.num_nodes}
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+        (run_dir / "config.json").write_text(json.dumps({**asdict(cfg), **job}, indent=1))
     except OSError as exc:
         raise InputPermissionError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
                                    "pass a writable --run-dir") from None
