@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_mpi_driver import ROOT, mpiexec, run_mpi
+from mpirun import ROOT, mpi_command, mpi_env, remove_leftovers, run_mpi, shm_names
 
 SMALL = ["--mnist1d-samples", "2000", "--epochs", "2", "--batch-size", "64", "--progress", "lines"]
 
@@ -24,8 +24,8 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cache"))
 
 
-def train(nprocs, args, cache, timeout=300):
-    return run_mpi(nprocs, ["-m", "hsgd.train", "--cache-dir", cache, *args], timeout=timeout)
+def train(nprocs, args, cache, timeout=300, module=("-m", "hsgd.train")):
+    return run_mpi(nprocs, [*module, "--cache-dir", cache, *args], timeout=timeout)
 
 
 def records(run_dir, event):
@@ -56,6 +56,7 @@ def test_run_writes_metrics_timeline_and_report(tmp_path, cache):
     report = subprocess.run([sys.executable, "-m", "hsgd.report", str(run)], capture_output=True,
                             text=True, timeout=120)
     assert report.returncode == 0, report.stderr
+    assert report.stdout.startswith("cnn, adamw, 2 ranks, batch 64\n"), report.stdout
     assert (run / "plots" / "accuracy.png").stat().st_size > 1000
 
 
@@ -86,10 +87,12 @@ def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, extra, stop_at)
 
 def test_signal_checkpoints_and_exits_for_requeue(tmp_path, cache):
     run = tmp_path / "run"
-    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hsgd.train", "--cache-dir", cache,
-           *SMALL, "--epochs", "50", "--log-every", "5", "--run-dir", str(run)]
+    cmd = mpi_command(2, ["-m", "hsgd.train", "--cache-dir", cache, *SMALL, "--epochs", "50",
+                          "--log-every", "5", "--run-dir", str(run)])
+    shm_before, tmpdir = shm_names(), str(tmp_path / "tmp")
+    os.mkdir(tmpdir)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env=mpi_env(tmpdir=tmpdir))
     try:
         deadline = time.monotonic() + 120
         while not (run / "metrics.jsonl").exists() or not records(run, "step"):
@@ -99,7 +102,9 @@ def test_signal_checkpoints_and_exits_for_requeue(tmp_path, cache):
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
+    left = remove_leftovers(shm_before, tmpdir)
     assert proc.returncode == 75, err
+    assert not left, f"a job stopped by a signal left files behind: {left}"
     assert "stopped (signal)" in err
     assert list((run / "checkpoints").glob("ckpt-*.pt"))
 
@@ -132,6 +137,10 @@ def bad_inputs(tmp_path):
         ("batch", ["--data", tiny, "--x-key", "x", "--y-key", "y", "--batch-size", "64"], "larger than the 8"),
         ("unwritable", ["--checkpoint-dir", str(blocker / "sub")], "--checkpoint-dir"),
         ("odd batch", ["--batch-size", "63"], "multiple of the 2 ranks"),
+        ("trust", ["--optimizer", "lars", "--trust-coefficient", "0"], "--trust-coefficient"),
+        ("nesterov", ["--optimizer", "sgd", "--nesterov", "--momentum", "0"], "--nesterov"),
+        ("milestones", ["--schedule", "step", "--milestones", "0"], "--milestones"),
+        ("momentum", ["--momentum", "1.5"], "--momentum"),
     ]
 
 
@@ -143,6 +152,20 @@ def test_bad_input_gets_one_message_and_exit_2(tmp_path, cache):
         if proc.returncode != 2 or len(errors) != 1 or text not in errors[0] or "Traceback" in proc.stderr:
             failures.append(f"{name}: exit {proc.returncode}, stderr:\n{proc.stderr[-2000:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_a_bug_keeps_its_traceback_and_aborts_the_job(tmp_path, cache):
+    """A programming error (not a bad value from the user) is no one-line 'error:'."""
+    code = ("import sys, hsgd.train as t\n"
+            "def broken(*args, **kwargs):\n"
+            "    raise AttributeError('a bug in model code')\n"
+            "t.build_model = broken\n"
+            "sys.exit(t.main(sys.argv[1:]))\n")
+    proc = train(2, [*SMALL, "--run-dir", str(tmp_path / "run")], cache, timeout=120,
+                 module=["-c", code])
+    assert proc.returncode not in (0, 2), proc.stderr
+    assert "Traceback" in proc.stderr and "AttributeError: a bug in model code" in proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if "train: error:" in line]
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, cache):
