@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 from .broadcast import broadcast_optimizer_state, broadcast_parameters  # noqa: E402
 from .lars import LARS  # noqa: E402
-from .optimizer import HierarchicalSGD  # noqa: E402
+from .hierarchical.synchronous import HierarchicalSGD  # noqa: E402
 from .parallel_io import ContiguousH5Loader  # noqa: E402
 from .schedules import WarmupMultiStepLR, WarmupPolyLR, scaled_lr  # noqa: E402
 from .topology import Topology  # noqa: E402

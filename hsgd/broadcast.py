@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ._agree import agree, collective_error
+from ._engine.agree import agree, collective_error
 from .errors import InputValueError
 
 __all__ = ["check_same_model", "broadcast_parameters", "average_buffers", "averaged_state_dict",

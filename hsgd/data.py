@@ -37,7 +37,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ._agree import agree
+from ._engine.agree import agree
 from ._data_checks import check_file
 from ._h5write import write_dataset, write_pairs
 from ._io_plan import default_window_blocks

@@ -3,7 +3,7 @@
 Every node allocates one window with ``MPI.Win.Allocate_shared``; each local
 rank owns one *slot* in it, laid out by a :class:`Layout` (one aligned
 segment per dtype). Training writes straight into the slots: gradients are
-views into the rank's own slot (see :mod:`hsgd.optimizer`), so backward
+views into the rank's own slot (see :mod:`hsgd.hierarchical.synchronous`), so backward
 fills shared memory with no copy.
 
 The node reduction is a parallel reduce-scatter in shared memory: with ``k``

@@ -63,7 +63,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._agree import agree, check_all
+from ._engine.agree import agree, check_all
 from ._io_plan import EpochPlan, default_block_size, plan_epoch, rank_range, shard_range
 from ._loader_setup import (check_settings_agree, loader_block_size, open_checked,
                             scan_labels)

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 from mpi4py import MPI
 
-from ._agree import agree, collective_error
+from ._engine.agree import agree, collective_error
 from .errors import InputValueError
 
 __all__ = ["Topology", "ENV_RANKS_PER_NODE"]

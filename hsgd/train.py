@@ -37,15 +37,15 @@ import torch
 from mpi4py import MPI
 
 from . import HierarchicalSGD, Topology
-from ._agree import check_all, collective_error, on_root
-from ._progress import Progress
-from .checkpoint import check_writable, save_checkpoint
-from .config import TrainConfig, parse_config
+from ._engine.agree import check_all, collective_error, on_root
+from ._trainer.progress import Progress
+from ._trainer.checkpoint import check_writable, save_checkpoint
+from ._trainer.config import TrainConfig, parse_config
 from .errors import InputPermissionError, InputValueError
-from .metrics import MetricsLog, PhaseClock, write_timeline
-from .models import build_model
+from ._trainer.metrics import MetricsLog, PhaseClock, write_timeline
+from ._trainer.models import build_model
 from .parallel_io import ContiguousH5Loader
-from .training import (checkpoint_state, dataset_length, evaluate, make_optimizer, make_scheduler,
+from ._trainer.training import (checkpoint_state, dataset_length, evaluate, make_optimizer, make_scheduler,
                        num_classes, prepare_data, restore, resume_state, test_batch_size)
 
 logger = logging.getLogger("hsgd.train")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hsgd.config import parse_config
+from hsgd._trainer.config import parse_config
 
 
 @pytest.mark.parametrize("argv,flag", [

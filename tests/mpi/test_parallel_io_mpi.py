@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hsgd._agree import check_all
+from hsgd._engine.agree import check_all
 from hsgd.parallel_io import ContiguousH5Loader
 
 COMM = MPI.COMM_WORLD

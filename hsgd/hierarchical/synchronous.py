@@ -1,7 +1,7 @@
 """``HierarchicalSGD``: any torch optimizer, synchronized in two levels.
 
 The wrapper holds an inner ``torch.optim`` optimizer (composition, not a
-generated subclass) and a :class:`~hsgd.averager.HierarchicalAverager`.
+generated subclass) and a :class:`~hsgd.hierarchical.averager.HierarchicalAverager`.
 
 ``average="gradients"`` (default) is exact synchronous SGD: ``step()``
 averages the gradients over all ranks, inside the node through shared memory
@@ -45,14 +45,14 @@ import warnings
 
 import torch
 
-from ._agree import agree, collective_error
-from ._binding import SlotBinding
+from .._engine.agree import agree, collective_error
+from .._engine.binding import SlotBinding
 from .averager import HierarchicalAverager
-from .broadcast import broadcast_optimizer_state, broadcast_parameters, check_same_model
-from .errors import InputError, InputTypeError, InputValueError
-from .inter_node import STRATEGIES
-from .intra_node import Layout
-from .topology import Topology
+from ..broadcast import broadcast_optimizer_state, broadcast_parameters, check_same_model
+from ..errors import InputError, InputTypeError, InputValueError
+from ..inter_node import STRATEGIES
+from ..intra_node import Layout
+from ..topology import Topology
 
 __all__ = ["HierarchicalSGD", "AVERAGE_MODES"]
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .errors import InputFileNotFoundError, InputPermissionError, InputValueError
+from ..errors import InputFileNotFoundError, InputPermissionError, InputValueError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_writable"]
 

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .errors import InputValueError
+from ..errors import InputValueError
 
 __all__ = ["build_model", "MODELS"]
 

@@ -36,9 +36,9 @@ import time
 
 import torch
 
-from .errors import InputValueError
-from .inter_node import make_inter_node
-from .intra_node import Layout, SharedSlots
+from ..errors import InputValueError
+from ..inter_node import make_inter_node
+from ..intra_node import Layout, SharedSlots
 
 __all__ = ["HierarchicalAverager", "LEVELS"]
 
@@ -58,7 +58,7 @@ class HierarchicalAverager:
             self.slots.close()
             raise
         # Optional callback(phase, start, end) with perf_counter times, e.g.
-        # hsgd.metrics.PhaseClock.record for the trainer's time breakdown.
+        # hsgd._trainer.metrics.PhaseClock.record for the trainer's time breakdown.
         self.on_phase = None
 
     @property

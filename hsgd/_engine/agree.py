@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .errors import BY_NAME, InputError, InputValueError
+from ..errors import BY_NAME, InputError, InputValueError
 
 __all__ = ["agree", "check_all", "on_root", "collective_error"]
 

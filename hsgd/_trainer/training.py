@@ -2,7 +2,7 @@
 
 Data preparation, optimizer and schedule construction, sharded evaluation,
 and checkpoint state in and out. Every function that can fail because of the
-user's input raises on every rank the same way (through :func:`hsgd._agree.agree`),
+user's input raises on every rank the same way (through :func:`hsgd._engine.agree.agree`),
 so the trainer can print one message from rank 0 and exit.
 """
 
@@ -17,15 +17,15 @@ import h5py
 import torch
 from mpi4py import MPI
 
-from ._agree import check_all, on_root
-from .broadcast import average_buffers, averaged_state_dict
+from .._engine.agree import check_all, on_root
+from ..broadcast import average_buffers, averaged_state_dict
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .config import TrainConfig
-from .data import ensure_mnist1d
-from .errors import InputValueError
-from .lars import LARS
-from .parallel_io import ContiguousH5Loader
-from .schedules import WarmupMultiStepLR, WarmupPolyLR, scaled_lr
+from ..data import ensure_mnist1d
+from ..errors import InputValueError
+from ..lars import LARS
+from ..parallel_io import ContiguousH5Loader
+from ..schedules import WarmupMultiStepLR, WarmupPolyLR, scaled_lr
 
 __all__ = ["prepare_data", "num_classes", "dataset_length", "test_batch_size", "make_optimizer", "make_scheduler",
            "evaluate", "resume_state", "checkpoint_state", "restore"]
