@@ -33,6 +33,8 @@ import warnings
 import torch
 from mpi4py import MPI
 
+from ._engine.checks import check_choice
+from ._engine.traffic import allreduce_bytes
 from .errors import InputValueError
 
 __all__ = ["LeaderAllreduce", "ShardedAllreduce", "make_inter_node", "STRATEGIES"]
@@ -42,9 +44,12 @@ logger = logging.getLogger(__name__)
 STRATEGIES = ("leader", "sharded")
 
 
-def _allreduce_inplace(comm, tensor: torch.Tensor) -> None:
-    if tensor.numel():
-        comm.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM)
+def _allreduce_inplace(comm, tensor: torch.Tensor) -> int:
+    """Sum ``tensor`` over ``comm`` in place; returns the bytes this rank sent."""
+    if not tensor.numel():
+        return 0
+    comm.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM)
+    return allreduce_bytes(tensor.numel() * tensor.element_size(), comm.Get_size())
 
 
 class LeaderAllreduce:
@@ -55,9 +60,9 @@ class LeaderAllreduce:
     def __init__(self, topology):
         self.comm = topology.leader_comm
 
-    def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> None:
-        if self.comm is not None:
-            _allreduce_inplace(self.comm, node_sum)
+    def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> int:
+        """Allreduce the node sum (leaders only); returns the bytes sent."""
+        return 0 if self.comm is None else _allreduce_inplace(self.comm, node_sum)
 
     def close(self) -> None:
         pass
@@ -76,8 +81,9 @@ class ShardedAllreduce:
         # Ranks with the same local index, one per node, ordered by node.
         self.comm = topology.comm.Split(topology.local_rank, topology.node_index)
 
-    def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> None:
-        _allreduce_inplace(self.comm, node_sum[lo:hi])
+    def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> int:
+        """Allreduce this rank's slice ``[lo, hi)`` of the node sum; returns the bytes sent."""
+        return _allreduce_inplace(self.comm, node_sum[lo:hi])
 
     def close(self) -> None:
         if self.comm is not None:
@@ -91,9 +97,7 @@ def make_inter_node(name: str, topology):
     ``"sharded"`` on nodes of unequal size warns and returns ``"leader"``;
     every rank sees the same node sizes, so every rank makes the same choice.
     """
-    if name not in STRATEGIES:
-        raise InputValueError(
-            f"Invalid inter_node value: {name!r}; choose one of {list(STRATEGIES)}")
+    check_choice("inter_node", name, STRATEGIES)
     if name == "sharded" and not topology.equal_nodes:
         warnings.warn(
             f"inter_node='sharded' needs nodes of equal size, got "

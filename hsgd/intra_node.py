@@ -153,11 +153,16 @@ class SharedSlots:
         for start in range(lo, hi, step):
             yield slice(start, min(hi, start + step))
 
-    def _pass(self, reduce: bool, scale: float, spread: bool) -> None:
+    def _pass(self, reduce: bool, scale: float, spread: bool) -> int:
         """One pass over this rank's slice, chunk by chunk, on slot 0's chunk:
         add the other slots into it (``reduce``), scale it, copy it to the
-        other slots (``spread``)."""
+        other slots (``spread``). Returns the bytes copied between slots
+        (see :mod:`hsgd._engine.traffic`)."""
+        moved = 0
         for seg in range(len(self.layout.dtypes)):
+            lo, hi = self.my_slice(seg)
+            copies = (self.local_size - 1) * (int(reduce) + int(spread))
+            moved += copies * (hi - lo) * self._slots[0][seg].element_size()
             slots = [s[seg] for s in self._slots]
             for sl in self._chunks(seg):
                 acc = slots[0][sl]
@@ -169,18 +174,19 @@ class SharedSlots:
                 if spread:
                     for other in slots[1:]:
                         other[sl].copy_(acc)
+        return moved
 
-    def reduce_broadcast(self, scale: float) -> None:
-        """Slice ``i`` of every slot := ``scale`` * sum over slots (one node)."""
-        self._pass(reduce=True, scale=scale, spread=True)
+    def reduce_broadcast(self, scale: float) -> int:
+        """Slice ``i`` of every slot := ``scale`` * sum over slots (one node). Returns bytes moved."""
+        return self._pass(reduce=True, scale=scale, spread=True)
 
-    def reduce_to_first(self) -> None:
-        """Slice ``i`` of slot 0 := sum of slice ``i`` over all slots."""
-        self._pass(reduce=True, scale=1.0, spread=False)
+    def reduce_to_first(self) -> int:
+        """Slice ``i`` of slot 0 := sum of slice ``i`` over all slots. Returns bytes moved."""
+        return self._pass(reduce=True, scale=1.0, spread=False)
 
-    def broadcast_from_first(self, scale: float) -> None:
-        """Slice ``i`` of every slot := ``scale`` * slice ``i`` of slot 0."""
-        self._pass(reduce=False, scale=scale, spread=True)
+    def broadcast_from_first(self, scale: float) -> int:
+        """Slice ``i`` of every slot := ``scale`` * slice ``i`` of slot 0. Returns bytes moved."""
+        return self._pass(reduce=False, scale=scale, spread=True)
 
     @property
     def closed(self) -> bool:

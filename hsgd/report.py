@@ -8,8 +8,9 @@ Reads the ``config.json`` and ``metrics.jsonl`` that
 Of ``metrics.jsonl`` (one JSON object per line) only ``"step"`` records
 (``step``, ``loss``) and ``"epoch"`` records (``epoch``, ``step``,
 ``train_loss``, ``train_acc``, ``test_loss``, ``test_acc`` as a fraction,
-``samples_per_s``, ``seconds``, ``time`` = seconds per phase on rank 0) are
-read; other events and keys are ignored. A resumed run appends to the same
+``samples_per_s``, ``seconds``, ``time`` = seconds per phase on rank 0,
+``intra_bytes`` / ``inter_bytes`` = bytes moved inside / across nodes by all
+ranks in the epoch) are read; other events and keys are ignored. A resumed run appends to the same
 file, so the last record for a step or an epoch wins. Lines that are not JSON
 (cut off by a killed run) are skipped with a warning. An epoch's communication
 share is ``(intra + inter) / (data + compute + intra + inter)`` of its ``time``.
@@ -141,10 +142,12 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
 
 def summary_table(run: Run) -> str:
     """A markdown table with one row per epoch, then a best-accuracy/total-time line."""
-    header = ["epoch", "train loss", "test loss", "test acc %", "samples/s", "comm share %"]
+    header = ["epoch", "train loss", "test loss", "test acc %", "samples/s", "comm share %",
+              "intra MB", "inter MB"]
     rows = [[str(e["epoch"]), _fmt(e.get("train_loss"), ".4f"),
              _fmt(e.get("test_loss"), ".4f"), _fmt(e.get("test_acc"), ".2f", 100.0),
-             _fmt(e.get("samples_per_s"), ",.0f"), _fmt(_comm_share(e.get("time")), ".1f")]
+             _fmt(e.get("samples_per_s"), ",.0f"), _fmt(_comm_share(e.get("time")), ".1f"),
+             _fmt(e.get("intra_bytes"), ",.1f", 1e-6), _fmt(e.get("inter_bytes"), ",.1f", 1e-6)]
             for e in run.epochs]
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",

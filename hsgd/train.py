@@ -36,12 +36,13 @@ from typing import Optional
 import torch
 from mpi4py import MPI
 
-from . import HierarchicalSGD, Topology
+from . import Topology
 from ._engine.agree import check_all, collective_error, on_root
 from ._trainer.progress import Progress
 from ._trainer.checkpoint import check_writable, save_checkpoint
 from ._trainer.config import TrainConfig, parse_config
 from .errors import InputPermissionError, InputValueError
+from .modes import SYNC_MODES
 from ._trainer.metrics import MetricsLog, PhaseClock, write_timeline
 from ._trainer.models import build_model
 from .parallel_io import ContiguousH5Loader
@@ -143,9 +144,7 @@ def build(cfg, topo, device):
     model = check_all(comm, build_model, cfg.model, train.sample_shape, classes).to(device)
     inner = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, inner, len(train))
-    opt = HierarchicalSGD(inner, model, topology=topo, inter_node=cfg.inter_node,
-                          average=cfg.average, intra_period=cfg.intra_period,
-                          inter_period=cfg.inter_period)
+    opt = SYNC_MODES[cfg.sync].from_config(inner, model, topo, cfg)
     logger.info("%s; %d train / %d test samples of shape %s, %d classes; %s %s",
                 opt, train.num_samples, test.num_samples, tuple(train.sample_shape), classes,
                 cfg.model, cfg.optimizer)
@@ -196,6 +195,7 @@ class Trainer:
         """One epoch, or its rest after a resume; returns (stop reason or None, steps run)."""
         cfg, loader = self.cfg, self.train_loader
         loader.set_epoch(self.epoch)
+        self._traffic_start = self.opt.traffic
         self.progress.start_epoch(self.epoch, loader.position)
         start, totals, times = time.perf_counter(), torch.zeros(4, dtype=torch.float64), Counter()
         window, window_start, stop, batches = torch.zeros(4, dtype=torch.float64), start, None, iter(loader)
@@ -249,7 +249,7 @@ class Trainer:
     def _end_epoch(self, totals, train_seconds: float, times: Counter) -> None:
         with self.clock.phase("eval"):
             test_loss, test_acc = evaluate(self.model, self.test_loader, self.comm, self.device,
-                                           replicas_differ=self.cfg.average == "parameters")
+                                           replicas_differ=self.opt.replicas_differ)
         times.update(self.clock.take())
         self.best = max(self.best, test_acc)
         seen = max(totals[2].item(), 1.0)  # 0 when resumed exactly at the epoch's end
@@ -257,10 +257,17 @@ class Trainer:
                       train_acc=totals[1].item() / seen, test_loss=test_loss,
                       test_acc=test_acc, lr=self.scheduler.get_last_lr()[0],
                       samples_per_s=totals[2].item() / train_seconds,
-                      seconds=train_seconds + times["eval"], time=dict(times))
+                      seconds=train_seconds + times["eval"], time=dict(times), **self._epoch_traffic())
         self.log.write("epoch", **record)
         self.progress.end_epoch(record)
         self.epoch += 1
+
+    def _epoch_traffic(self) -> dict:
+        """Bytes moved this epoch, inside nodes and across nodes, summed over all ranks."""
+        now, keys = self.opt.traffic, ("intra_bytes", "inter_bytes")
+        moved = torch.tensor([now[k] - self._traffic_start[k] for k in keys], dtype=torch.int64)
+        self.comm.Allreduce(MPI.IN_PLACE, moved.numpy(), op=MPI.SUM)
+        return dict(zip(keys, moved.tolist()))
 
     def _finish(self, stop: Optional[str]) -> None:
         self.progress.close()

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hsgd import HierarchicalSGD, Topology
+from hsgd import HierarchicalLocalSGD, HierarchicalSGD, InputError, SyncMode, Topology
+from hsgd.modes import SYNC_MODES
 from hsgd.intra_node import Layout, slice_bounds
 from hsgd.topology import _parse_ranks_per_node
 
@@ -43,22 +44,30 @@ def test_ranks_per_node_rejects(value):
         _parse_ranks_per_node(value, "HSGD_RANKS_PER_NODE")
 
 
-def model_and_opt(**kwargs):
+def model_and_opt(mode=HierarchicalSGD, **kwargs):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    return model, HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, **kwargs)
+    return model, mode(torch.optim.SGD(model.parameters(), lr=0.1), model, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"inter_node": "ring"}, "inter_node"),
-    ({"average": "weights"}, "average"),
-    ({"average": "parameters", "intra_period": 0}, "intra_period"),
-    ({"average": "parameters", "inter_period": 1.5}, "inter_period"),
-    ({"backward_passes_per_step": 0}, "backward_passes_per_step"),
+@pytest.mark.parametrize("mode,kwargs,match", [
+    (HierarchicalSGD, {"inter_node": "ring"}, "inter_node"),
+    (HierarchicalLocalSGD, {"inter_node": "ring"}, "inter_node"),
+    (HierarchicalLocalSGD, {"intra_period": 0}, "intra_period"),
+    (HierarchicalLocalSGD, {"inter_period": 1.5}, "inter_period"),
+    (HierarchicalSGD, {"backward_passes_per_step": 0}, "backward_passes_per_step"),
 ])
-def test_bad_arguments_name_themselves(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        model_and_opt(**kwargs)
+def test_bad_arguments_name_themselves(mode, kwargs, match):
+    with pytest.raises(InputError, match=match) as info:
+        model_and_opt(mode, **kwargs)
+    assert isinstance(info.value, ValueError)
+
+
+def test_every_mode_is_a_sync_mode_listed_once_by_name():
+    assert SYNC_MODES == {"sync": HierarchicalSGD, "local": HierarchicalLocalSGD}
+    for name, mode in SYNC_MODES.items():
+        assert issubclass(mode, SyncMode) and mode.name == name
+        assert mode.bind in ("grad", "data")
 
 
 def test_optimizer_must_train_the_model():
@@ -73,12 +82,6 @@ def test_half_precision_model_gets_type_error():
     model = torch.nn.Linear(2, 2).half()
     with pytest.raises(TypeError, match="float16"):
         HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
-
-
-def test_periods_without_parameter_mode_warn():
-    with pytest.warns(UserWarning, match="ignored"):
-        _, opt = model_and_opt(intra_period=2)
-    opt.close()
 
 
 def test_gradients_are_views_into_shared_memory():
@@ -98,14 +101,14 @@ def test_gradients_are_views_into_shared_memory():
 
 
 def test_parameter_mode_binds_values_and_schedule():
-    model, opt = model_and_opt(average="parameters", intra_period=2, inter_period=3)
+    model, opt = model_and_opt(HierarchicalLocalSGD, intra_period=2, inter_period=3)
     window = opt.averager.own(0)
     lo = window.data_ptr()
     for p in model.parameters():
         assert lo <= p.data_ptr() < lo + window.numel() * window.element_size()
     levels = [opt.averaging_level(t) for t in range(8)]
     assert levels == ["global", None, "node", None, "node", None, "global", None]
-    with pytest.raises(RuntimeError, match="average='parameters'"):
+    with pytest.raises(RuntimeError, match="HierarchicalLocalSGD has no synchronize"):
         opt.synchronize()
     weight = model.weight.detach().clone()
     opt.close()

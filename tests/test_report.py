@@ -25,7 +25,8 @@ def epoch_record(e, test_acc, intra=0.3, inter=0.1, seconds=2.5, **extra):
     record = {"event": "epoch", "epoch": e, "step": 10 * (e + 1), "train_loss": 2.0 - e / 2,
               "train_acc": test_acc - 0.05, "test_loss": 1.9 - e / 2, "test_acc": test_acc,
               "lr": 0.1, "samples_per_s": 50000.0, "seconds": seconds,
-              "time": {"data": 0.1, "compute": 1.5, "intra": intra, "inter": inter, "eval": 0.1}}
+              "time": {"data": 0.1, "compute": 1.5, "intra": intra, "inter": inter, "eval": 0.1},
+              "intra_bytes": 2.5e6, "inter_bytes": 1.5e6}
     record.update(extra)
     return record
 
@@ -132,10 +133,11 @@ def test_table_numbers(tmp_path):
     run = load_run(write_run(tmp_path, full_records()))
     table = summary_table(run)
     header = table.splitlines()[0]
-    for name in ("epoch", "train loss", "test loss", "test acc %", "samples/s", "comm share %"):
+    for name in ("epoch", "train loss", "test loss", "test acc %", "samples/s", "comm share %",
+                 "intra MB", "inter MB"):
         assert name in header
     rows = table_rows(table)
-    assert rows[0] == ["0", "2.0000", "1.9000", "40.00", "50,000", "20.0"]  # 0.4 / 2.0
+    assert rows[0] == ["0", "2.0000", "1.9000", "40.00", "50,000", "20.0", "2.5", "1.5"]  # 0.4 / 2.0
     assert rows[2][:4] == ["2", "1.0000", "0.9000", "61.00"]
     assert table.splitlines()[-1] == ("best test acc: 61.00% (epoch 2); "
                                       "total time: 7.5 s over 3 epochs")
@@ -145,7 +147,7 @@ def test_table_shows_dash_for_missing_values():
     idle = {"data": 0.0, "compute": 0.0, "intra": 0.0, "inter": 0.0}  # share undefined: 0 / 0
     record = {"event": "epoch", "epoch": 0, "train_loss": 1.0, "time": idle}
     table = summary_table(Run(config={}, epochs=[record]))
-    assert table_rows(table)[0] == ["0", "1.0000", "-", "-", "-", "-"]
+    assert table_rows(table)[0] == ["0", "1.0000", "-", "-", "-", "-", "-", "-"]
     assert table.splitlines()[-1] == "best test acc: -; total time: -"
 
 

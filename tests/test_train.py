@@ -47,6 +47,11 @@ def test_run_writes_metrics_timeline_and_report(tmp_path, cache):
     assert [e["epoch"] for e in epochs] == [0, 1]
     assert epochs[-1]["test_acc"] > 0.25  # 10 classes: chance is 0.1
     assert set(epochs[-1]["time"]) >= {"data", "compute", "intra", "eval"}
+    # One node of 2 ranks: every step's node mean copies 2 (k - 1) n = 2 n bytes in shared
+    # memory (n: the padded gradient buffer), nothing crosses nodes.
+    steps_per_epoch = epochs[1]["step"] - epochs[0]["step"]
+    assert epochs[-1]["inter_bytes"] == 0
+    assert epochs[-1]["intra_bytes"] > 0 and epochs[-1]["intra_bytes"] % (2 * steps_per_epoch) == 0
     steps = records(run, "step")
     assert steps and all(s["loss"] > 0 and s["samples_per_s"] > 0 for s in steps)
     assert json.loads((run / "config.json").read_text())["batch_size"] == 64
@@ -60,7 +65,7 @@ def test_run_writes_metrics_timeline_and_report(tmp_path, cache):
     assert (run / "plots" / "accuracy.png").stat().st_size > 1000
 
 
-LOCAL_SGD = ["--average", "parameters", "--intra-period", "2", "--inter-period", "2",
+LOCAL_SGD = ["--sync", "local", "--intra-period", "2", "--inter-period", "2",
              "--ranks-per-node", "1"]
 
 

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, get_type_hints
 
+from ..inter_node import STRATEGIES
+from ..modes import SYNC_MODES
+from .models import MODELS
+
 __all__ = ["TrainConfig", "parse_config", "default_cache_dir"]
 
 
@@ -43,7 +47,7 @@ class TrainConfig:
     cache_dir: str = _opt(None, "where the default MNIST-1D file is generated (env HSGD_CACHE_DIR)")
     mnist1d_samples: int = _opt(40000, "training samples of the generated MNIST-1D (test: 1000)")
     # --- model and optimizer ---
-    model: str = _opt("cnn", "mlp | cnn (1-D signals) | resnet (images)", choices=["mlp", "cnn", "resnet"])
+    model: str = _opt("cnn", "mlp | cnn (1-D signals) | resnet (images)", choices=list(MODELS))
     optimizer: str = _opt("adamw", "sgd | lars | adamw", choices=["sgd", "lars", "adamw"])
     lr: float = _opt(0.01, "peak learning rate (before --scale-lr)")
     momentum: float = _opt(0.9, "momentum (sgd, lars)")
@@ -66,11 +70,12 @@ class TrainConfig:
                                     "else cores / ranks on this node")
     device: str = _opt("cpu", "cpu | cuda (one GPU per local rank) | auto", choices=["cpu", "cuda", "auto"])
     # --- synchronization ---
-    average: str = _opt("gradients", "gradients (synchronous SGD) | parameters (local SGD)",
-                        choices=["gradients", "parameters"])
-    intra_period: int = _opt(1, "parameter averaging inside a node every N steps (--average parameters)")
+    sync: str = _opt("sync", "synchronization mode: sync (synchronous SGD, gradients averaged "
+                             "every step) | local (hierarchical local SGD, parameters averaged "
+                             "every --intra-period steps in the node)", choices=list(SYNC_MODES))
+    intra_period: int = _opt(1, "parameter averaging inside a node every N steps (--sync local)")
     inter_period: int = _opt(1, "... and across nodes every intra_period * N steps")
-    inter_node: str = _opt("leader", "leader | sharded inter-node allreduce", choices=["leader", "sharded"])
+    inter_node: str = _opt("leader", "leader | sharded inter-node allreduce", choices=list(STRATEGIES))
     ranks_per_node: Optional[int] = _opt(None, "virtual node size (env HSGD_RANKS_PER_NODE); default: physical nodes")
     # --- output ---
     run_dir: Optional[str] = _opt(None, "where config.json and metrics.jsonl go; default runs/<time>")

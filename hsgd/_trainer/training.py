@@ -180,7 +180,7 @@ def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, best, comm
 
     ``model`` is the average over ranks (the replicas are identical in
     synchronous SGD; in local SGD this is the model worth keeping). With
-    ``average="parameters"`` each rank's own replica and optimizer state are
+    a mode whose replicas differ (local SGD) each rank's own replica and optimizer state are
     kept too, so that a resumed run continues exactly.
     """
     rng = comm.gather(torch.get_rng_state(), root=0)
@@ -188,7 +188,7 @@ def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, best, comm
              "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
              "rng": rng, "step": step, "epoch": epoch, "best_test_acc": best,
              "config": asdict(cfg), "world_size": comm.Get_size()}
-    if opt.average == "parameters":
+    if opt.replicas_differ:
         state["replicas"] = comm.gather({"model": model.state_dict(), "optimizer": opt.state_dict()},
                                         root=0)
     return state

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hsgd import HierarchicalSGD, Topology, broadcast_parameters
+from hsgd import HierarchicalLocalSGD, HierarchicalSGD, Topology, broadcast_parameters
 
 from _models import fixed_batch, mlp, shard
 
@@ -193,8 +193,8 @@ def test_bad_argument_on_one_rank_raises_everywhere(comm):
     model = mlp()
     period = 0 if comm.rank == 0 else 1
     with pytest.raises(ValueError, match="intra_period"):
-        HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                        average="parameters", intra_period=period)
+        HierarchicalLocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                             intra_period=period)
 
 
 @pytest.mark.parametrize("intra,inter", [(1, 1), (2, 3), (3, 1)])
@@ -203,9 +203,8 @@ def test_parameter_averaging_fires_at_expected_steps(comm, intra, inter):
     with Topology.from_comm(comm, ranks_per_node=2) as topo:
         nodes = [list(range(s, min(s + 2, comm.size))) for s in range(0, comm.size, 2)]
         model = torch.nn.Linear(1, 1, bias=False).double()
-        opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=1.0), model,
-                              topology=topo, average="parameters",
-                              intra_period=intra, inter_period=inter)
+        opt = HierarchicalLocalSGD(torch.optim.SGD(model.parameters(), lr=1.0), model,
+                                   topology=topo, intra_period=intra, inter_period=inter)
         sim = [model.weight.item()] * comm.size
         for t in range(13):
             opt.zero_grad()
@@ -319,9 +318,9 @@ def test_parameter_mode_sharded_equals_leader(comm):
         model = mlp()
         x, y = fixed_batch()
         with Topology.from_comm(comm, ranks_per_node=2) as topo, \
-                HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, topology=topo,
-                                inter_node=inter_node, average="parameters", intra_period=2,
-                                inter_period=2) as opt:
+                HierarchicalLocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                     topology=topo, inter_node=inter_node, intra_period=2,
+                                     inter_period=2) as opt:
             for _ in range(6):
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(shard(x, comm.rank, comm.size)),
@@ -330,3 +329,51 @@ def test_parameter_mode_sharded_equals_leader(comm):
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def _traffic_of(make_opt, model, topo, steps):
+    """Sum over all ranks of the bytes counted during ``steps`` steps, and this rank's own."""
+    x = torch.ones(2, model.in_features, dtype=torch.float64)
+    with make_opt(topo) as opt:
+        assert opt.traffic == {"intra_bytes": 0, "inter_bytes": 0}
+        for _ in range(steps):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        mine = opt.traffic
+    return {k: topo.comm.allreduce(v) for k, v in mine.items()}, mine
+
+
+@pytest.mark.parametrize("inter_node", ["leader", "sharded"])
+def test_traffic_counters_match_the_closed_form(comm, inter_node):
+    """4 ranks as 2 nodes of 2: across nodes, each step is one 2-party allreduce of the
+    buffer per node (n bytes sent by each node); inside a node, reduce + spread copy n."""
+    if comm.size != 4:
+        pytest.skip("closed form written for 4 ranks as 2 virtual nodes")
+    # Every tensor starts on a 64-byte line: weight 32 x 8 x 8 B = 2048, bias 64, and the two
+    # float32 "used" flags of gradient averaging take one line of 64.
+    model = torch.nn.Linear(32, 8).double()
+    n = 2048 + 64 + 64
+    with Topology.from_comm(comm, ranks_per_node=2) as topo:
+        total, mine = _traffic_of(lambda t: HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                            model, topology=t, inter_node=inter_node),
+                                  model, topo, steps=3)
+        assert total == {"inter_bytes": 3 * 2 * n, "intra_bytes": 3 * 2 * 2 * n}, total
+        if inter_node == "leader":
+            assert mine["inter_bytes"] == (3 * n if topo.is_leader else 0)
+        m = 2048 + 64  # local SGD averages the values only, no flags
+        total, _ = _traffic_of(lambda t: HierarchicalLocalSGD(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, topology=t, inter_node=inter_node,
+            intra_period=1, inter_period=2), model, topo, steps=4)  # global on 0 and 2, node on 1 and 3
+        assert total == {"inter_bytes": 2 * 2 * m, "intra_bytes": 4 * 2 * 2 * m}, total
+
+
+def test_a_single_node_sends_nothing_across_nodes(comm):
+    model = torch.nn.Linear(8, 8).double()
+    n = 512 + 64 + 64  # weight, bias, used flags (each on its own 64-byte line)
+    with Topology.from_comm(comm) as topo:
+        assert topo.num_nodes == 1
+        total, _ = _traffic_of(lambda t: HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                         model, topology=t), model, topo, steps=2)
+    k = comm.size
+    assert total == {"inter_bytes": 0, "intra_bytes": 2 * 2 * (k - 1) * n}, total

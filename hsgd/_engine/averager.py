@@ -36,7 +36,8 @@ import time
 
 import torch
 
-from ..errors import InputValueError
+from .checks import check_choice
+from .traffic import Traffic
 from ..inter_node import make_inter_node
 from ..intra_node import Layout, SharedSlots
 
@@ -60,6 +61,7 @@ class HierarchicalAverager:
         # Optional callback(phase, start, end) with perf_counter times, e.g.
         # hsgd._trainer.metrics.PhaseClock.record for the trainer's time breakdown.
         self.on_phase = None
+        self.traffic = Traffic()  # bytes moved by this rank (hsgd._engine.traffic)
 
     @property
     def inter_node(self) -> str:
@@ -71,8 +73,7 @@ class HierarchicalAverager:
 
     def average(self, level: str = "global", scale: float = 1.0) -> None:
         """Replace every rank's slot by ``scale`` times the node or world mean."""
-        if level not in LEVELS:
-            raise InputValueError(f"Invalid level: {level!r}; choose one of {list(LEVELS)}")
+        check_choice("level", level, LEVELS)
         if self.slots.closed:
             raise RuntimeError("HierarchicalAverager is closed; its shared window was freed")
         topo = self.topology
@@ -96,22 +97,22 @@ class HierarchicalAverager:
                     self.slots.own(seg).mul_(scale)
             return
         self.slots.fence()   # every local rank has written its slot
-        self.slots.reduce_broadcast(scale / self.slots.local_size)
+        self.traffic.add_intra(self.slots.reduce_broadcast(scale / self.slots.local_size))
         self.slots.fence()   # every slot holds the mean before anyone reuses it
 
     def _reduce_to_leader(self) -> None:
         self.slots.fence()   # every local rank has written its slot
-        self.slots.reduce_to_first()
+        self.traffic.add_intra(self.slots.reduce_to_first())
         self.slots.fence()   # slot 0 holds the complete node sum
 
     def _across_nodes(self) -> None:
         for seg in range(len(self.layout.dtypes)):
             lo, hi = self.slots.my_slice(seg)
-            self.inter.allreduce_(self.slots.slot(0, seg), lo, hi)
+            self.traffic.add_inter(self.inter.allreduce_(self.slots.slot(0, seg), lo, hi))
 
     def _spread(self, scale: float) -> None:
         self.slots.fence()   # the global sum in slot 0 is complete on this node
-        self.slots.broadcast_from_first(scale)
+        self.traffic.add_intra(self.slots.broadcast_from_first(scale))
         self.slots.fence()   # every slot holds the mean before anyone reuses it
 
     def close(self) -> None:

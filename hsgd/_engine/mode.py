@@ -1,0 +1,228 @@
+"""``SyncMode``: what every synchronization mode shares, in the manner of torch's ``ModelAverager``.
+
+A mode wraps an inner ``torch.optim`` optimizer (composition, not a
+generated subclass) and keeps the ranks' replicas of one model in step. The
+base class holds what all modes need and checks what all modes take:
+
+- construction, collective: the common arguments and the mode's own
+  (:meth:`SyncMode._check`) are checked on every rank and agreed on, so a
+  bad value raises the same :class:`~hsgd.errors.InputError` everywhere; the
+  ranks' settings and models must match; parameters and buffers are
+  broadcast from rank 0; the tensors the mode averages (``bind = "grad"`` or
+  ``"data"``) become views into this rank's slot of a shared window
+  (:class:`~hsgd._engine.binding.SlotBinding`);
+- the ``torch.optim.Optimizer`` look-alike surface (``param_groups``,
+  ``state_dict`` ...), ``traffic``, ``close()`` and the context manager;
+- ``step(closure)`` runs the closure, then the mode's :meth:`SyncMode._step`.
+
+A subclass sets ``name`` (its ``--sync`` choice in the trainer),
+``bind``, ``replicas_differ`` (whether ranks' models differ between
+averagings, so that evaluation and checkpoints must average them) and
+``config_fields`` (the trainer's config fields it takes), and implements
+``_check`` and ``_step``. Nothing outside a mode branches on its name.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar, Dict, Tuple
+
+import torch
+
+from ..broadcast import broadcast_optimizer_state, broadcast_parameters, check_same_model
+from ..errors import InputError, InputTypeError, InputValueError
+from .averager import HierarchicalAverager
+from ..inter_node import STRATEGIES
+from ..intra_node import Layout
+from ..topology import Topology
+from .agree import agree, collective_error
+from .binding import SlotBinding
+from .checks import check_choice
+
+__all__ = ["SyncMode"]
+
+logger = logging.getLogger(__name__)
+
+
+def _check_common(optimizer, model, inter_node) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InputTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_choice("inter_node", inter_node, STRATEGIES)
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise InputValueError("LBFGS re-evaluates the closure inside step(); wrap a first-order optimizer")
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in trained:
+                raise InputValueError("the optimizer holds a parameter that is not a trainable "
+                                      "parameter of the model; pass the model whose parameters it trains")
+
+
+class SyncMode:
+    """Base class of the synchronization modes. Construction is collective.
+
+    Args:
+        optimizer: the inner ``torch.optim.Optimizer`` over ``model``'s parameters.
+        model: the replica on this rank; its trainable parameters are synchronized.
+        topology: a :class:`~hsgd.Topology`; default ``Topology.from_comm()``
+            (closed by :meth:`close` when built here).
+        inter_node: ``"leader"`` or ``"sharded"`` (see :mod:`hsgd.inter_node`).
+        broadcast: copy parameters and buffers from rank 0 at construction.
+        settings: the subclass's own arguments, checked by :meth:`_check`.
+    """
+
+    name: ClassVar[str] = ""
+    bind: ClassVar[str] = "grad"
+    replicas_differ: ClassVar[bool] = False
+    config_fields: ClassVar[Tuple[str, ...]] = ("inter_node",)
+
+    def __init__(self, optimizer, model, *, topology=None, inter_node="leader",
+                 broadcast=True, settings: Dict[str, object]):
+        self._closed = True
+        self._own_topology = topology is None
+        self.topology = Topology.from_comm() if topology is None else topology
+        try:
+            self._setup(optimizer, model, inter_node, broadcast, settings)
+        except BaseException:
+            if self._own_topology:
+                self.topology.close()
+            raise
+
+    @classmethod
+    def from_config(cls, optimizer, model, topology, cfg) -> "SyncMode":
+        """Build this mode from the trainer's config (the fields in ``config_fields``)."""
+        return cls(optimizer, model, topology=topology,
+                   **{field: getattr(cfg, field) for field in cls.config_fields})
+
+    def _check(self, **settings) -> None:
+        """Raise an :class:`~hsgd.errors.InputError` for a bad setting of this mode."""
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _setup(self, optimizer, model, inter_node, broadcast, settings) -> None:
+        comm = self.topology.comm
+        error = None
+        try:
+            _check_common(optimizer, model, inter_node)
+            self._check(**settings)
+        except InputError as exc:
+            error = exc
+        agree(comm, error)
+        mine = (inter_node, sorted(settings.items()))
+        if len(set(map(repr, comm.allgather(mine)))) > 1:
+            raise collective_error(InputValueError, f"ranks were given different {type(self).__name__} "
+                                   "settings; pass the same on every rank")
+        check_same_model(model, comm)  # parameters and buffers, before any broadcast
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:  # the same on every rank now
+            raise collective_error(InputValueError, "the model has no trainable parameters")
+        layout = self._layout(params)
+        if broadcast:
+            broadcast_parameters(model, comm)
+        self.optimizer, self.model = optimizer, model
+        self.averager = HierarchicalAverager(self.topology, layout, inter_node)
+        try:
+            self._binding = SlotBinding(self.averager, params, self.bind, flags=self.bind == "grad")
+        except BaseException:
+            self.averager.close()
+            raise
+        self.num_steps = 0
+        self._closed = False
+
+    def _layout(self, params) -> Layout:
+        """One segment entry per parameter, plus the used-flags when gradients are bound."""
+        specs = [(p.dtype, p.numel()) for p in params]
+        if self.bind == "grad":
+            specs.append((torch.float32, len(params)))
+        try:
+            return Layout(specs)
+        except InputTypeError as exc:  # same dtypes on every rank, so the same error
+            raise collective_error(InputTypeError, str(exc)) from None
+
+    # --- torch.optim.Optimizer look-alike -------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's state dict, plus ``"hsgd_steps"`` (the step count)."""
+        state = self.optimizer.state_dict()
+        state["hsgd_steps"] = self.num_steps
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        self.num_steps = int(state_dict.pop("hsgd_steps", 0))
+        self.optimizer.load_state_dict(state_dict)
+
+    def broadcast_state(self, root: int = 0) -> None:
+        """Copy optimizer state and step count from ``root`` (after it loaded a checkpoint)."""
+        self._check_open()
+        broadcast_optimizer_state(self.optimizer, self.topology.comm, root)
+        self.num_steps = self.topology.comm.bcast(self.num_steps, root=root)
+
+    @property
+    def traffic(self) -> Dict[str, int]:
+        """Bytes this rank moved since construction: ``intra_bytes`` and ``inter_bytes``."""
+        return self.averager.traffic.as_dict()
+
+    # --- the step ----------------------------------------------------------------
+    def step(self, closure=None):
+        """Run ``closure`` (if any), then the mode's synchronized step. Collective."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        self.num_steps += 1
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._check_open()
+        self.optimizer.zero_grad(set_to_none)
+
+    def synchronize(self) -> None:
+        raise RuntimeError(f"{type(self).__name__} has no synchronize(): it averages "
+                           f"{'gradients' if self.bind == 'grad' else 'parameters'} inside step()")
+
+    # --- life cycle ----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed; build a new one to keep training")
+
+    def close(self) -> None:
+        """Free the shared window (collective). Gradients and parameters keep their values.
+
+        ``p.grad`` and ``p.data`` get private copies; any other reference taken
+        earlier to them (a saved ``p.grad``, a ``state_dict()`` of the model in
+        a mode that binds parameters) pointed into the window and must not be used after.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._binding.unbind()
+        self.averager.close()
+        if self._own_topology:
+            self.topology.close()
+
+    def __enter__(self) -> "SyncMode":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({type(self.optimizer).__name__}, "
+                f"inter_node={self.averager.inter_node!r}, {self.topology})")
