@@ -8,7 +8,7 @@ count)::
 
 For every rank count and buffer size, in the same MPI job, side by side:
 
-* ``hsgd``: :class:`hsgd.hierarchical.averager.HierarchicalAverager` on one node (the
+* ``hsgd``: :class:`hsgd.hierarchical.HierarchicalAverager` on one node (the
   buffer is the rank's slot in the shared window, as gradients are in training);
 * ``hsgd 2-level``: the same with virtual nodes of 2 ranks (4 ranks only),
   so the inter-node MPI allreduce runs too;
@@ -83,7 +83,7 @@ def worker(args):
     from mpi4py import MPI
 
     from hsgd import Topology
-    from hsgd.hierarchical.averager import HierarchicalAverager
+    from hsgd.hierarchical import HierarchicalAverager
     from hsgd.intra_node import Layout
 
     torch.set_num_threads(1)

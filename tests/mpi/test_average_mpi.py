@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hsgd import Topology
-from hsgd.hierarchical.averager import HierarchicalAverager
+from hsgd.hierarchical import HierarchicalAverager
 from hsgd.intra_node import Layout
 
 SHAPES = [(17,), (17, 17), (17, 17, 17)]
