@@ -102,10 +102,11 @@ def worker(args):
         buf = torch.ones(n)
         arr = buf.numpy()
 
-        def mpi_average():
+        def mpi_average(buf=buf, arr=arr):
             comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
             buf.mul_(1.0 / comm.size)
-        def gloo_average():
+
+        def gloo_average(buf=buf):
             dist.all_reduce(buf)
             buf.div_(comm.size)
         row["MPI"] = timed(comm, mpi_average, args.repeats, args.warmup)

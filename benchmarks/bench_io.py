@@ -125,7 +125,7 @@ def time_loader(path, comm, args):
             drop_cache(path)  # construction scanned the labels
         comm.Barrier()  # everyone starts together
         t0, count = time.perf_counter(), 0
-        for x, y in loader:
+        for _x, y in loader:
             count += len(y)
         return count, time.perf_counter() - t0
 
@@ -176,7 +176,7 @@ def time_dataloader(path, comm, args):
                         num_workers=args.workers)
     comm.Barrier()  # everyone starts together
     t0, count = time.perf_counter(), 0
-    for x, y in loader:
+    for _x, y in loader:
         count += len(y)
         if time.perf_counter() - t0 > args.bounded_seconds:
             break

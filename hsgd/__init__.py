@@ -13,8 +13,7 @@ __version__ = "0.1.0"
 
 from ._engine.mode import SyncMode  # noqa: E402
 from .broadcast import broadcast_optimizer_state, broadcast_parameters  # noqa: E402
-from .errors import (InputError, InputFileNotFoundError, InputPermissionError,  # noqa: E402
-                     InputTypeError, InputValueError)
+from .errors import InputError, InputFileNotFoundError, InputPermissionError, InputTypeError, InputValueError  # noqa: E402
 from .hierarchical import HierarchicalLocalSGD, HierarchicalSGD  # noqa: E402
 from .lars import LARS  # noqa: E402
 from .parallel_io import ContiguousH5Loader  # noqa: E402

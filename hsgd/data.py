@@ -37,8 +37,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ._engine.agree import agree
 from ._data_checks import check_file
+from ._engine.agree import agree
 from ._h5write import write_dataset, write_pairs
 from ._io_plan import default_window_blocks
 from ._loader_setup import list_datasets, loader_block_size

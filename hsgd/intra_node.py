@@ -208,7 +208,7 @@ class SharedSlots:
         self.win.Unlock_all()
         self.win.Free()
 
-    def __enter__(self) -> "SharedSlots":
+    def __enter__(self) -> SharedSlots:
         return self
 
     def __exit__(self, *exc) -> None:

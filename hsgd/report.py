@@ -160,7 +160,7 @@ def _final_line(run: Run) -> str:
     """``best test acc: ... (epoch N); total time: ... s over M epochs``."""
     scored = [(acc, e["epoch"]) for e in run.epochs
               if (acc := _number(e.get("test_acc"))) is not None and not math.isnan(acc)]
-    best = "-" if not scored else "{:.2f}% (epoch {})".format(100 * max(scored)[0], max(scored)[1])
+    best = "-" if not scored else f"{100 * max(scored)[0]:.2f}% (epoch {max(scored)[1]})"
     seconds = [s for s in (_number(e.get("seconds")) for e in run.epochs) if s is not None]
     total = "-" if not seconds else f"{sum(seconds):.1f} s over {len(seconds)} epochs"
     return f"best test acc: {best}; total time: {total}"

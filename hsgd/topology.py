@@ -104,7 +104,7 @@ class Topology:
         return len(set(self.node_sizes)) == 1
 
     @classmethod
-    def from_comm(cls, comm=None, ranks_per_node=None) -> "Topology":
+    def from_comm(cls, comm=None, ranks_per_node=None) -> Topology:
         """Build the two-level layout of ``comm`` (default ``MPI.COMM_WORLD``).
 
         Collective over ``comm``. ``ranks_per_node`` overrides the environment
@@ -131,7 +131,7 @@ class Topology:
         return cls._build(comm, rpn)
 
     @classmethod
-    def _build(cls, comm, rpn: Optional[int]) -> "Topology":
+    def _build(cls, comm, rpn: Optional[int]) -> Topology:
         rank = comm.Get_rank()
         physical = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         try:
@@ -162,7 +162,7 @@ class Topology:
         if self.leader_comm is not None:
             self.leader_comm.Free()
 
-    def __enter__(self) -> "Topology":
+    def __enter__(self) -> Topology:
         return self
 
     def __exit__(self, *exc) -> None:

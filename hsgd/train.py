@@ -37,17 +37,27 @@ import torch
 from mpi4py import MPI
 
 from . import Topology
-from ._engine.agree import check_all, collective_error, on_root
-from ._trainer.progress import Progress
+from ._engine.agree import agree, check_all, collective_error, on_root
 from ._trainer.checkpoint import check_writable, save_checkpoint
 from ._trainer.config import TrainConfig, parse_config
-from .errors import InputPermissionError, InputValueError
-from .modes import SYNC_MODES
 from ._trainer.metrics import MetricsLog, PhaseClock, write_timeline
 from ._trainer.models import build_model
+from ._trainer.progress import Progress
+from ._trainer.training import (
+    checkpoint_state,
+    dataset_length,
+    evaluate,
+    make_optimizer,
+    make_scheduler,
+    num_classes,
+    prepare_data,
+    restore,
+    resume_state,
+    test_batch_size,
+)
+from .errors import InputError, InputPermissionError, InputValueError
+from .modes import SYNC_MODES
 from .parallel_io import ContiguousH5Loader
-from ._trainer.training import (checkpoint_state, dataset_length, evaluate, make_optimizer, make_scheduler,
-                       num_classes, prepare_data, restore, resume_state, test_batch_size)
 
 logger = logging.getLogger("hsgd.train")
 
@@ -165,7 +175,7 @@ class Trainer:
             self._resume()
         self.clock = PhaseClock(self.topo.rank, trace=cfg.timeline is not None)
         self.opt.averager.on_phase = self.clock.record
-        self.log = MetricsLog(self.run_dir, enabled=self.is_main)
+        self.log = _open_log(self.run_dir, self.comm, cfg.tensorboard)
         self.stopper = stopper
         self.progress = Progress(cfg.progress, self.is_main, len(self.train_loader))
 
@@ -282,6 +292,17 @@ class Trainer:
                         self.run_dir)
         self.opt.close()
         self.topo.close()
+
+
+def _open_log(run_dir, comm, tensorboard: bool) -> MetricsLog:
+    """Rank 0's metrics log (and TensorBoard writer); every rank learns if that failed."""
+    log, error = None, None
+    try:
+        log = MetricsLog(run_dir, enabled=comm.Get_rank() == 0, tensorboard=tensorboard)
+    except InputError as exc:
+        error = exc
+    agree(comm, error)
+    return log
 
 
 def _train_step(model, opt, batch, device, clock):

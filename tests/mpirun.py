@@ -53,7 +53,7 @@ def mpiexec() -> str:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mpi_flavour(launcher: Optional[str] = None) -> str:
     """``"openmpi"`` or ``"mpich"``, from ``mpiexec --version``."""
     out = subprocess.run([launcher or mpiexec(), "--version"], capture_output=True,

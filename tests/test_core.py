@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hsgd import HierarchicalLocalSGD, HierarchicalSGD, InputError, SyncMode, Topology
-from hsgd.modes import SYNC_MODES
 from hsgd.intra_node import Layout, slice_bounds
+from hsgd.modes import SYNC_MODES
 from hsgd.topology import _parse_ranks_per_node
 
 

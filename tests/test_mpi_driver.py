@@ -14,7 +14,6 @@ import os
 import re
 
 import pytest
-
 from mpirun import run_mpi
 
 SIZES = [int(n) for n in os.environ.get("HSGD_MPI_TEST_SIZES", "1,2,3,4,5").split(",")]

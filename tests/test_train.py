@@ -12,7 +12,6 @@ import h5py
 import numpy as np
 import pytest
 import torch
-
 from mpirun import ROOT, mpi_command, mpi_env, remove_leftovers, run_mpi, shm_names
 
 SMALL = ["--mnist1d-samples", "2000", "--epochs", "2", "--batch-size", "64", "--progress", "lines"]
@@ -41,7 +40,8 @@ def final_model(checkpoint_dir):
 
 def test_run_writes_metrics_timeline_and_report(tmp_path, cache):
     run = tmp_path / "run"
-    proc = train(2, [*SMALL, "--run-dir", str(run), "--timeline", str(tmp_path / "trace.json")], cache)
+    proc = train(2, [*SMALL, "--run-dir", str(run), "--timeline", str(tmp_path / "trace.json"),
+                     "--tensorboard"], cache)
     assert proc.returncode == 0, proc.stderr
     epochs = records(run, "epoch")
     assert [e["epoch"] for e in epochs] == [0, 1]
@@ -63,6 +63,15 @@ def test_run_writes_metrics_timeline_and_report(tmp_path, cache):
     assert report.returncode == 0, report.stderr
     assert report.stdout.startswith("cnn, adamw, 2 ranks, batch 64\n"), report.stdout
     assert (run / "plots" / "accuracy.png").stat().st_size > 1000
+    board = [event.tag for path in (run / "tensorboard").glob("events.out.tfevents.*")
+             for event in _tensorboard_scalars(path)]
+    assert {"step/loss", "epoch/test_acc", "epoch/intra_bytes", "epoch/time/compute"} <= set(board)
+
+
+def _tensorboard_scalars(path):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    return [value for event in EventFileLoader(str(path)).Load()
+            for value in event.summary.value]
 
 
 LOCAL_SGD = ["--sync", "local", "--intra-period", "2", "--inter-period", "2",

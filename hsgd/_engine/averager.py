@@ -36,10 +36,10 @@ import time
 
 import torch
 
-from .checks import check_choice
-from .traffic import Traffic
 from ..inter_node import make_inter_node
 from ..intra_node import Layout, SharedSlots
+from .checks import check_choice
+from .traffic import Traffic
 
 __all__ = ["HierarchicalAverager", "LEVELS"]
 
@@ -120,7 +120,7 @@ class HierarchicalAverager:
         self.inter.close()
         self.slots.close()
 
-    def __enter__(self) -> "HierarchicalAverager":
+    def __enter__(self) -> HierarchicalAverager:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,10 +18,11 @@ written since the last zeroing: in place (backward accumulating into the
 view, or ``p.grad.copy_(g)`` from a hand-written estimator) or by assigning a
 new tensor (backward after ``set_to_none``). Each view is its own tensor over
 the shared memory with its own version counter, so an in-place write shows as
-a changed ``_version``; an assignment shows as another data pointer. The flags are averaged with the gradients, so after averaging
-every rank knows which parameters no rank used; those get ``p.grad = None``,
-as in single-process torch, and the optimizer leaves them alone (no momentum
-or weight decay step).
+a changed ``_version``; an assignment shows as another data pointer. The
+flags are averaged with the gradients, so after averaging every rank knows
+which parameters no rank used; those get ``p.grad = None``, as in
+single-process torch, and the optimizer leaves them alone (no momentum or
+weight decay step).
 """
 
 from __future__ import annotations

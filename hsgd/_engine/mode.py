@@ -31,11 +31,11 @@ import torch
 
 from ..broadcast import broadcast_optimizer_state, broadcast_parameters, check_same_model
 from ..errors import InputError, InputTypeError, InputValueError
-from .averager import HierarchicalAverager
 from ..inter_node import STRATEGIES
 from ..intra_node import Layout
 from ..topology import Topology
 from .agree import agree, collective_error
+from .averager import HierarchicalAverager
 from .binding import SlotBinding
 from .checks import check_choice
 
@@ -91,7 +91,7 @@ class SyncMode:
             raise
 
     @classmethod
-    def from_config(cls, optimizer, model, topology, cfg) -> "SyncMode":
+    def from_config(cls, optimizer, model, topology, cfg) -> SyncMode:
         """Build this mode from the trainer's config (the fields in ``config_fields``)."""
         return cls(optimizer, model, topology=topology,
                    **{field: getattr(cfg, field) for field in cls.config_fields})
@@ -217,7 +217,7 @@ class SyncMode:
         if self._own_topology:
             self.topology.close()
 
-    def __enter__(self) -> "SyncMode":
+    def __enter__(self) -> SyncMode:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -82,6 +82,8 @@ class TrainConfig:
     log_every: int = _opt(20, "steps between step records in metrics.jsonl")
     progress: str = _opt("auto", "auto (bar on a terminal, else one line per epoch) | bar | lines | none",
                          choices=["auto", "bar", "lines", "none"])
+    tensorboard: bool = _opt(False, "also write the metrics as TensorBoard event files to "
+                                    "RUN_DIR/tensorboard (needs the tensorboard package)")
     timeline: Optional[str] = _opt(None, "write a Chrome-trace JSON of every rank's phases here")
     checkpoint_dir: Optional[str] = _opt(None, "where checkpoints go; default RUN_DIR/checkpoints")
     save_every: int = _opt(0, "also checkpoint every N steps (0: at the end of every epoch only)")
@@ -148,7 +150,8 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, kind) -> N
     if kind is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         return
-    base = {"Optional[int]": int, "Optional[str]": str, "Optional[float]": float, "List[int]": int}.get(str(kind).replace("typing.", ""), kind)
+    scalar = {"Optional[int]": int, "Optional[str]": str, "Optional[float]": float, "List[int]": int}
+    base = scalar.get(str(kind).replace("typing.", ""), kind)
     parser.add_argument(flag, type=base, default=f.default, help=help_text, **meta)
 
 

@@ -27,6 +27,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ..errors import InputValueError
+
 __all__ = ["PhaseClock", "MetricsLog", "write_timeline"]
 
 
@@ -85,12 +87,37 @@ def write_timeline(path, events_per_rank: List[List[dict]]) -> Path:
     return path
 
 
-class MetricsLog:
-    """Appends one JSON object per line to ``run_dir/metrics.jsonl`` (rank 0 only)."""
+def open_tensorboard(run_dir):
+    """A ``SummaryWriter`` on ``run_dir/tensorboard``; an InputError if tensorboard is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise InputValueError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                              "(or hsgd[tensorboard]), or leave out --tensorboard") from None
+    return SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
 
-    def __init__(self, run_dir, enabled: bool = True):
+
+def _scalars(prefix: str, fields: dict):
+    """``(tag, number)`` for every numeric field, nested dicts (``time``) flattened."""
+    for key, value in fields.items():
+        if isinstance(value, dict):
+            yield from _scalars(f"{prefix}{key}/", value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield prefix + key, value
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``run_dir/metrics.jsonl`` (rank 0 only).
+
+    With ``tensorboard=True`` every record also goes to TensorBoard event files
+    in ``run_dir/tensorboard``: step records as ``step/<key>`` at their step,
+    epoch records as ``epoch/<key>`` at their epoch.
+    """
+
+    def __init__(self, run_dir, enabled: bool = True, tensorboard: bool = False):
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None
+        self._board = open_tensorboard(run_dir) if enabled and tensorboard else None
         if enabled:
             torn = False
             if self.path.exists() and self.path.stat().st_size:
@@ -104,8 +131,15 @@ class MetricsLog:
     def write(self, event: str, **fields) -> None:
         if self._file is not None:
             self._file.write(json.dumps({"event": event, **fields}) + "\n")
+        if self._board is not None:
+            at = fields.get(event, fields.get("step", 0))  # an epoch record at its epoch
+            for tag, value in _scalars(f"{event}/", fields):
+                self._board.add_scalar(tag, value, global_step=at)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None

@@ -19,13 +19,13 @@ from mpi4py import MPI
 
 from .._engine.agree import check_all, on_root
 from ..broadcast import average_buffers, averaged_state_dict
-from .checkpoint import latest_checkpoint, load_checkpoint
-from .config import TrainConfig
 from ..data import ensure_mnist1d
 from ..errors import InputValueError
 from ..lars import LARS
 from ..parallel_io import ContiguousH5Loader
 from ..schedules import WarmupMultiStepLR, WarmupPolyLR, scaled_lr
+from .checkpoint import latest_checkpoint, load_checkpoint
+from .config import TrainConfig
 
 __all__ = ["prepare_data", "num_classes", "dataset_length", "test_batch_size", "make_optimizer", "make_scheduler",
            "evaluate", "resume_state", "checkpoint_state", "restore"]

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from _models import fixed_batch, mlp, shard
 
 from hsgd import HierarchicalLocalSGD, HierarchicalSGD, Topology, broadcast_parameters
-
-from _models import fixed_batch, mlp, shard
 
 STEPS = 10
 OPTIMIZERS = {

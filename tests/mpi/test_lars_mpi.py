@@ -10,12 +10,11 @@ that divides ``GLOBAL_BATCH``.
 
 import pytest
 import torch
+from _models import fixed_batch, mlp, shard
 
 from hsgd import HierarchicalSGD, Topology
 from hsgd.lars import LARS
 from hsgd.schedules import WarmupPolyLR
-
-from _models import fixed_batch, mlp, shard
 
 STEPS = 8
 DTYPE = torch.float64
