@@ -170,11 +170,11 @@ def test_bad_input_gets_one_message_and_exit_2(tmp_path, cache):
 
 def test_a_bug_keeps_its_traceback_and_aborts_the_job(tmp_path, cache):
     """A programming error (not a bad value from the user) is no one-line 'error:'."""
-    code = ("import sys, hsgd.train as t\n"
+    code = ("import sys, torch, hsgd.train\n"
             "def broken(*args, **kwargs):\n"
             "    raise AttributeError('a bug in model code')\n"
-            "t.build_model = broken\n"
-            "sys.exit(t.main(sys.argv[1:]))\n")
+            "torch.nn.Conv1d.__init__ = broken  # the default model, cnn, builds Conv1d layers\n"
+            "sys.exit(hsgd.train.main(sys.argv[1:]))\n")
     proc = train(2, [*SMALL, "--run-dir", str(tmp_path / "run")], cache, timeout=120,
                  module=["-c", code])
     assert proc.returncode not in (0, 2), proc.stderr

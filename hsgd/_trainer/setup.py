@@ -1,0 +1,113 @@
+"""Building a training job: topology, threads, device, run directory, data, model, optimizer.
+
+Every function here is collective: the ranks build the same job, and a bad
+value from the user raises the same :class:`~hsgd.errors.InputError` on
+every rank (the trainer prints it once and exits with 2).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+from .._engine.agree import check_all, collective_error, on_root
+from ..errors import InputPermissionError, InputValueError
+from ..modes import SYNC_MODES
+from ..parallel_io import ContiguousH5Loader
+from ..topology import Topology
+from .checkpoint import check_writable
+from .config import TrainConfig
+from .models import build_model
+from .training import dataset_length, make_optimizer, make_scheduler, num_classes, prepare_data, test_batch_size
+
+__all__ = ["setup", "build"]
+
+logger = logging.getLogger("hsgd.train")
+
+
+def setup(cfg: TrainConfig, comm):
+    """Topology, logging, threads, device and run directory."""
+    topo = Topology.from_comm(comm, ranks_per_node=cfg.ranks_per_node)
+    logging.basicConfig(level=logging.INFO if topo.rank == 0 else logging.WARNING,
+                        format=f"[rank {topo.rank}] %(message)s", stream=sys.stderr)
+    torch.set_num_threads(cfg.threads or _default_threads(topo.local_size))
+    device = _pick_device(cfg.device, comm)
+    run_dir = Path(on_root(comm, _make_run_dir, cfg, topo))
+    ckpt_dir = Path(cfg.checkpoint_dir or run_dir / "checkpoints")
+    on_root(comm, check_writable, ckpt_dir)
+    return topo, device, run_dir, ckpt_dir
+
+
+def _default_threads(local_size: int) -> int:
+    """What the launcher gave each rank (SLURM_CPUS_PER_TASK, OMP_NUM_THREADS), else a fair share."""
+    for var in ("SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS"):
+        if os.environ.get(var, "").isdigit() and int(os.environ[var]) > 0:
+            return int(os.environ[var])
+    return max(1, len(os.sched_getaffinity(0)) // local_size)
+
+
+def _pick_device(choice: str, comm) -> torch.device:
+    """CPU, or the GPU of this rank's index among the ranks of its host; agreed by all ranks."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    everywhere = comm.allreduce(int(torch.cuda.is_available()), op=MPI.MIN)
+    if not everywhere:
+        if choice == "cuda":
+            raise collective_error(InputValueError, "--device cuda, but torch sees no GPU on at least "
+                                   "one rank; use --device cpu or auto")
+        return torch.device("cpu")
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    torch.cuda.set_device(host.Get_rank() % torch.cuda.device_count())
+    host.Free()
+    return torch.device("cuda")
+
+
+def _make_run_dir(cfg: TrainConfig, topo: Topology) -> str:
+    """Create the run directory; its config.json also records the job's shape for reports."""
+    run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    job = {"world_size": topo.size, "num_nodes": topo.num_nodes}
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps({**asdict(cfg), **job}, indent=1))
+    except OSError as exc:
+        raise InputPermissionError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
+                                   "pass a writable --run-dir") from None
+    return str(run_dir)
+
+
+def build(cfg, topo, device):
+    """Data loaders, model, optimizer, schedule: the same on every rank."""
+    comm = topo.comm
+    if cfg.batch_size % topo.size:
+        raise collective_error(InputValueError, f"--batch-size {cfg.batch_size} is the global batch and "
+                               f"must be a multiple of the {topo.size} ranks, e.g. "
+                               f"{cfg.batch_size - cfg.batch_size % topo.size or topo.size}")
+    train_path, test_path = prepare_data(cfg, comm)
+    n = dataset_length(train_path, cfg.y_key, comm)
+    if n is not None and n < cfg.batch_size:
+        raise collective_error(InputValueError, f"--batch-size {cfg.batch_size} is larger than the {n} "
+                               f"training samples in {train_path}; use --batch-size <= "
+                               f"{max(topo.size, n - n % topo.size)} or more data")
+    train = ContiguousH5Loader(train_path, cfg.x_key, cfg.y_key, batch_size=cfg.batch_size // topo.size,
+                               comm=comm, seed=cfg.seed)
+    test = ContiguousH5Loader(test_path, cfg.test_x_key, cfg.test_y_key, comm=comm, shuffle=False,
+                              drop_last=False, pad=False, check_labels=False,
+                              batch_size=test_batch_size(test_path, cfg.test_y_key, comm))
+    classes = num_classes(train_path, cfg.y_key, comm)
+    torch.manual_seed(cfg.seed)
+    model = check_all(comm, build_model, cfg.model, train.sample_shape, classes).to(device)
+    inner = make_optimizer(cfg, model)
+    scheduler = make_scheduler(cfg, inner, len(train))
+    opt = SYNC_MODES[cfg.sync].from_config(inner, model, topo, cfg)
+    logger.info("%s; %d train / %d test samples of shape %s, %d classes; %s %s",
+                opt, train.num_samples, test.num_samples, tuple(train.sample_shape), classes,
+                cfg.model, cfg.optimizer)
+    return train, test, model, opt, scheduler
