@@ -131,7 +131,7 @@ def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the test process dies."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
+    except (OSError, AttributeError):  # no prctl (not Linux): the daemons are stopped by PID
         pass
 
 
@@ -179,7 +179,7 @@ class LocalSlurm:
         return None
 
     # --------------------------------------------------------------- lifecycle
-    def __enter__(self) -> "LocalSlurm":
+    def __enter__(self) -> LocalSlurm:
         self.start()
         return self
 
@@ -323,7 +323,7 @@ class LocalSlurm:
                                  stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             if check:
-                raise SlurmError(f"{' '.join(cmd)} timed out after {timeout} s")
+                raise SlurmError(f"{' '.join(cmd)} timed out after {timeout} s") from None
             return subprocess.CompletedProcess(cmd, -1, "", "timeout")
         if check and res.returncode != 0:
             raise SlurmError(f"{' '.join(cmd)} failed ({res.returncode}): "
@@ -375,6 +375,66 @@ class LocalSlurm:
         self._run(["scancel", str(job_id)], check=False)
         raise SlurmError(f"job {job_id} not finished after {timeout:.0f} s "
                          f"(state {state})\n{self.logs()}")
+
+    def wait_started(self, job_id: int, started, startup_timeout: float = 60.0,
+                     timeout: float = 300.0, poll: float = 0.5,
+                     what: str = "its ranks to start") -> Optional[float]:
+        """Poll until ``started()`` is true or the job reaches a final state.
+
+        ``started`` is a sign that every rank got past start-up (MPI_Init):
+        a file the job writes then. If the job has been RUNNING for
+        ``startup_timeout`` seconds without it, start-up has stalled (as when
+        the PMI exchange between the MPI library and Slurm goes wrong and
+        every rank waits forever): the job is cancelled and SlurmError raised,
+        with the job's errors from the daemon logs. ``timeout`` bounds the
+        whole wait (a job that never leaves PENDING). Returns the seconds from
+        RUNNING to started, or None if the job ended first.
+        """
+        deadline = time.monotonic() + timeout
+        running_since = None
+        state = "?"
+        while True:
+            if started():
+                now = time.monotonic()
+                return now - running_since if running_since is not None else 0.0
+            state = self.job_info(job_id).get("JobState", "?")
+            now = time.monotonic()
+            if state in FINAL_STATES:
+                return None
+            if state != "RUNNING":
+                running_since = None   # not yet, or again (requeued)
+            elif running_since is None:
+                running_since = now
+            if running_since is not None and now - running_since > startup_timeout:
+                if started():   # raced with the job
+                    return now - running_since
+                self._run(["scancel", str(job_id)], check=False)
+                raise SlurmError(
+                    f"job {job_id} RUNNING for {now - running_since:.0f} s without "
+                    f"{what}: start-up stalled (e.g. in MPI_Init), job cancelled\n"
+                    f"{self.job_errors(job_id)}\n{self.logs()}")
+            if now > deadline:
+                self._run(["scancel", str(job_id)], check=False)
+                raise SlurmError(f"timed out after {timeout:.0f} s waiting for {what} "
+                                 f"(job {job_id} {state})\n{self.logs()}")
+            time.sleep(poll)
+
+    def job_errors(self, job_id: int, limit: int = 40) -> str:
+        """The daemon log lines about ``job_id`` that report an error."""
+        lines = []
+        if self.dir is not None:
+            for log in sorted((self.dir / "log").glob("*.log")):
+                try:
+                    text = log.read_text(errors="replace")
+                except OSError:
+                    continue
+                lines += [f"{log.name}: {ln[:400]}" for ln in text.splitlines()
+                          if "error:" in ln and str(job_id) in ln]
+        head = f"--- daemon log errors for job {job_id} ---"
+        if not lines:
+            return f"{head}\n(none)"
+        return "\n".join([head, *lines[:limit]] +
+                         ([f"... {len(lines) - limit} more"] if len(lines) > limit else []))
 
     def wait_for(self, condition, timeout: float = 60.0, what: str = "condition",
                  poll: float = 0.2) -> None:

@@ -20,6 +20,10 @@ The plumbing tests swap `-m hsgd.train` in a copy of each script for a small
 mpi4py probe (PROBE below), so they check launch, node layout and the
 signal/requeue path independently of the trainer.
 
+A job whose ranks are not past MPI_Init STARTUP_TIMEOUT_S after it started
+(the probe's started.* files, the trainer's config.json) is cancelled and the
+test fails with the daemons' errors for it, instead of at JOB_TIMEOUT_S.
+
 Needs root and Slurm (Debian: slurmctld slurmd slurm-client; .ci/slurm-setup.sh
 installs them). Without them the tests skip, except under CI=true, where a
 missing Slurm means the CI setup is broken and the tests fail.
@@ -27,7 +31,9 @@ missing Slurm means the CI setup is broken and the tests fail.
 
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +44,12 @@ from slurm_cluster import LocalSlurm, SlurmError  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts" / "slurm"
 JOB_TIMEOUT_S = float(os.environ.get("HSGD_SLURM_JOB_TIMEOUT", "300"))
+# A job RUNNING this long without every rank past MPI_Init has stalled at
+# start-up (as when the PMI exchange with Slurm breaks: the ranks wait forever).
+# Fail then, with the daemon logs, rather than at JOB_TIMEOUT_S. Start-up
+# (bash, python, torch import, MPI_Init) took 4-22 s on a 2-core machine at
+# load 7-10 (48 start-ups measured).
+STARTUP_TIMEOUT_S = float(os.environ.get("HSGD_SLURM_STARTUP_TIMEOUT", "60"))
 REQUEUE_EXIT = 75
 
 # Stand-in for the trainer: same CLI, reports what each rank sees.
@@ -55,9 +67,10 @@ got_usr1 = []
 signal.signal(signal.SIGUSR1, lambda *_: got_usr1.append(1))
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
-topo = Topology.from_comm()
 restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 os.makedirs(run_dir, exist_ok=True)
+open(os.path.join(run_dir, f"started.{rank}.{restart}"), "w").close()  # past MPI_Init
+topo = Topology.from_comm()
 
 if os.environ.get("PROBE_WAIT_USR1") and restart == 0:
     # First run: wait for SIGUSR1, "checkpoint", and ask to be requeued.
@@ -73,7 +86,7 @@ if os.environ.get("PROBE_WAIT_USR1") and restart == 0:
 me = dict(rank=rank, size=comm.Get_size(), slurm_node=os.environ.get("SLURMD_NODENAME"),
           node_index=topo.node_index, local_rank=topo.local_rank,
           node_sizes=list(topo.node_sizes), omp=os.environ.get("OMP_NUM_THREADS"),
-          restart=restart)
+          netmod=os.environ.get("MPIR_CVAR_CH4_NETMOD"), restart=restart)
 ranks = comm.gather(me, root=0)
 if rank == 0:
     with open(os.path.join(run_dir, "probe.json"), "w") as f:
@@ -113,9 +126,24 @@ def job_env(**extra):
         "FI_TCP_IFACE": "lo",
         "FI_SOCKETS_IFACE": "lo",
         "HYDRA_IFACE": "lo",
+        # libfabric's native TCP provider for MPICH's OFI netmod (multi_node
+        # picks OFI, see the script): the default here, tcp;ofi_rxm, stalled
+        # in MPI_Init in about 1 of 5 start-ups of 3 emulated nodes x 2 ranks.
+        "FI_PROVIDER": "tcp",
     }
     env.update(extra)
     return env
+
+
+def mpich_device() -> str:
+    """What `mpichversion` next to this Python says under "MPICH Device" ("" if none)."""
+    exe = Path(sys.executable).parent / "mpichversion"
+    try:
+        out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
+                 if ln.startswith("MPICH Device:")), "")
 
 
 def probe_script(name: str, tmp_path: Path) -> Path:
@@ -135,15 +163,53 @@ def layout(nodes, per_node):
     return [f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--time=10"]
 
 
-def finish(slurm, job, tmp_path, expect="COMPLETED"):
-    """Wait for the job; assert its final state, showing its output if wrong."""
+def job_output(job, tmp_path) -> str:
     out_file = tmp_path / f"hsgd-{job}.out"
+    return out_file.read_text(errors="replace") if out_file.exists() else "(no output file)"
+
+
+def probe_started(run_dir: Path, ranks: int, restart: int = 0):
+    """Every probe rank is past MPI_Init (PROBE writes started.<rank>.<restart>)."""
+    return lambda: len(list(run_dir.glob(f"started.*.{restart}"))) >= ranks
+
+
+def trainer_started(run_dir: Path, since: float = 0.0):
+    """Every trainer rank is past MPI_Init: rank 0 writes config.json (again
+    after a requeue) after the first collective, so the others got there too."""
+    config = run_dir / "config.json"
+
+    def started():
+        try:
+            return config.stat().st_mtime >= since
+        except OSError:
+            return False
+    return started
+
+
+def wait_started(slurm, job, tmp_path, started):
+    """Fail within STARTUP_TIMEOUT_S of the job starting if its ranks stall in
+    start-up, showing the daemons' errors for the job and its output."""
+    try:
+        slurm.wait_started(job, started, startup_timeout=STARTUP_TIMEOUT_S,
+                           timeout=JOB_TIMEOUT_S)
+        return
+    except SlurmError as exc:
+        error = str(exc)
+    pytest.fail(f"{error}\n--- hsgd-{job}.out ---\n{job_output(job, tmp_path)[-6000:]}",
+                pytrace=False)
+
+
+def finish(slurm, job, tmp_path, started, expect="COMPLETED"):
+    """Wait for the job; assert its final state, showing its output if wrong.
+
+    ``started``: the sign that every rank got past MPI_Init (see wait_started).
+    """
+    wait_started(slurm, job, tmp_path, started)
     try:
         state = slurm.wait(job, timeout=JOB_TIMEOUT_S)
     except SlurmError as exc:
-        output = out_file.read_text(errors="replace") if out_file.exists() else ""
-        pytest.fail(f"{exc}\n--- hsgd-{job}.out ---\n{output[-6000:]}")
-    output = out_file.read_text(errors="replace") if out_file.exists() else "(no output file)"
+        pytest.fail(f"{exc}\n--- hsgd-{job}.out ---\n{job_output(job, tmp_path)[-6000:]}")
+    output = job_output(job, tmp_path)
     info = slurm.job_info(job)
     assert state == expect, (
         f"job {job} ended {state} (exit {info.get('ExitCode')}), expected {expect}\n"
@@ -160,9 +226,9 @@ def test_script_launches_ranks_across_nodes(slurm, tmp_path, name, nodes, per_no
     run_dir = tmp_path / "run"
     job = slurm.submit(probe_script(name, tmp_path), ["--epochs", "1", "--run-dir", run_dir],
                        env=job_env(), sbatch_args=layout(nodes, per_node), cwd=tmp_path)
-    _, output = finish(slurm, job, tmp_path)
-    ranks = json.loads((run_dir / "probe.json").read_text())
     size = nodes * per_node
+    _, output = finish(slurm, job, tmp_path, probe_started(run_dir, size))
+    ranks = json.loads((run_dir / "probe.json").read_text())
     assert [r["rank"] for r in ranks] == list(range(size)), output
     assert {r["size"] for r in ranks} == {size}
     # Slurm put ranks 0..per_node-1 on n1, the next on n2, ...; hsgd must agree.
@@ -171,6 +237,10 @@ def test_script_launches_ranks_across_nodes(slurm, tmp_path, name, nodes, per_no
         assert (r["node_index"], r["local_rank"]) == divmod(r["rank"], per_node), ranks
         assert r["node_sizes"] == [per_node] * nodes, ranks
         assert r["omp"] == "1", ranks
+    if name == "multi_node" and "ofi" in mpich_device():
+        # srun + PMI: MPICH's OFI netmod, not UCX, whose start-up PMI lines can
+        # exceed what Slurm's pmi2 plugin reads and hang the job (see the script).
+        assert {r["netmod"] for r in ranks} == {"ofi"}, (ranks, output)
 
 
 @pytest.mark.parametrize("name", ["multi_node", "multi_node_mpiexec"])
@@ -180,10 +250,12 @@ def test_usr1_checkpoint_exit_requeues_the_job(slurm, tmp_path, name):
     job = slurm.submit(probe_script(name, tmp_path), ["--run-dir", run_dir],
                        env=job_env(PROBE_WAIT_USR1="1"), sbatch_args=layout(2, 1),
                        cwd=tmp_path)
+    wait_started(slurm, job, tmp_path, probe_started(run_dir, 2))
     slurm.wait_for(lambda: len(list(run_dir.glob("ready.*"))) == 2, timeout=JOB_TIMEOUT_S,
                    what=f"job {job}'s ranks to start")
     slurm.signal(job, "USR1")      # what --signal=USR1@120 does near the time limit
-    info, output = finish(slurm, job, tmp_path)
+    # After the requeue: the ranks of the second run must start too.
+    info, output = finish(slurm, job, tmp_path, probe_started(run_dir, 2, restart=1))
     assert len(list(run_dir.glob("usr1.*"))) == 2, f"not every rank got SIGUSR1\n{output}"
     assert info.get("Restarts") == "1", output
     assert "requeueing" in output, output
@@ -216,7 +288,7 @@ def test_script_trains_one_epoch(slurm, tmp_path, train_args, name, nodes, per_n
     job = slurm.submit(SCRIPTS / f"{name}.sbatch",
                        ["--epochs", "1", "--run-dir", run_dir, *train_args],
                        env=job_env(), sbatch_args=layout(nodes, per_node), cwd=tmp_path)
-    _, output = finish(slurm, job, tmp_path)
+    _, output = finish(slurm, job, tmp_path, trainer_started(run_dir))
     assert [r["epoch"] for r in epoch_records(run_dir, output)] == [0], output[-4000:]
 
 
@@ -229,10 +301,12 @@ def test_trainer_checkpoints_on_usr1_and_resumes_after_requeue(slurm, tmp_path, 
                        ["--epochs", epochs, "--run-dir", run_dir, "--resume", "--log-every", "1",
                         *train_args],
                        env=job_env(), sbatch_args=layout(2, 1), cwd=tmp_path)
+    wait_started(slurm, job, tmp_path, trainer_started(run_dir))
     slurm.wait_for(lambda: metrics.exists() and '"event": "epoch"' in metrics.read_text(),
                    timeout=JOB_TIMEOUT_S, what=f"job {job}'s first epoch")
+    signalled = time.time()
     slurm.signal(job, "USR1")
-    info, output = finish(slurm, job, tmp_path)
+    info, output = finish(slurm, job, tmp_path, trainer_started(run_dir, since=signalled))
     assert info.get("Restarts") == "1" and "requeueing" in output, output[-4000:]
     done = [r["epoch"] for r in epoch_records(run_dir, output)]
     assert done[0] == 0 and done[-1] == epochs - 1, (done, output[-4000:])
