@@ -39,6 +39,7 @@ import numpy as np
 
 from ._data_checks import check_file
 from ._engine.agree import agree
+from ._engine.checks import check_int
 from ._h5write import write_dataset, write_pairs
 from ._io_plan import default_window_blocks
 from ._loader_setup import list_datasets, loader_block_size
@@ -67,9 +68,7 @@ def _mnist1d_arrays(num_samples: int, seed: int):
 def write_mnist1d(path, *, num_samples: int = 5000, seed: int = 42,
                   compress: bool = False) -> Path:
     """Generate MNIST-1D (offline) and write it to ``path`` (layout in the module docstring)."""
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 10:
-        raise InputValueError(f"Invalid num_samples: {num_samples!r}; MNIST-1D needs at least "
-                              "10 (one per class)")
+    check_int("num_samples", num_samples, minimum=10)  # one per class at least
     x, y, x_test, y_test = _mnist1d_arrays(num_samples, seed)
     pairs = [("x_train", "y_train", x.astype(np.float32), y.astype(np.int64), None),
              ("x_test", "y_test", x_test.astype(np.float32), y_test.astype(np.int64), None)]

@@ -7,6 +7,7 @@ the library (``HierarchicalSGD``, the loader, the data tools, the trainer).
 
 from __future__ import annotations
 
+import numbers
 from typing import Iterable
 
 from ..errors import InputValueError
@@ -15,8 +16,8 @@ __all__ = ["check_int", "check_choice"]
 
 
 def check_int(name: str, value, minimum: int = 1) -> int:
-    """``value`` if it is an integer (not a bool) >= ``minimum``; else raise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` if it is an integer (Python or numpy, not a bool) >= ``minimum``; else raise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise InputValueError(f"Invalid {name}: {value!r}; use an integer >= {minimum}")
     return value
 
