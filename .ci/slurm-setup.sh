@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Install a Slurm (controller, node daemon, client commands) for tests/test_slurm.py.
+# Install a Slurm (controller, node daemon, client commands) for tests/e2e/test_slurm.py.
 #
 # CI runs this as root before the tests. It is idempotent: if the binaries are
 # already there it does nothing. It only installs packages; no daemon is started
-# (tests/slurm_cluster.py starts a private cluster on loopback and stops it).
+# (tests/e2e/slurm_cluster.py starts a private cluster on loopback and stops it).
 # munge comes in as a dependency but is not used (the test cluster runs with
 # AuthType=auth/none).
 set -euo pipefail

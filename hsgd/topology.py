@@ -28,12 +28,12 @@ from mpi4py import MPI
 from ._engine.agree import agree, collective_error
 from .errors import InputValueError
 
-__all__ = ["Topology", "ENV_RANKS_PER_NODE"]
+__all__ = ["Topology", "ENV_RANKS_PER_NODE", "parse_ranks_per_node"]
 
 ENV_RANKS_PER_NODE = "HSGD_RANKS_PER_NODE"
 
 
-def _parse_ranks_per_node(value, source: str) -> Optional[int]:
+def parse_ranks_per_node(value, source: str) -> Optional[int]:
     """Validate a ranks-per-node setting; ``None`` or ``""`` means unset."""
     if value is None or (isinstance(value, str) and value.strip() == ""):
         return None
@@ -115,9 +115,9 @@ class Topology:
         error, rpn = None, None
         try:
             if ranks_per_node is not None:
-                rpn = _parse_ranks_per_node(ranks_per_node, "ranks_per_node")
+                rpn = parse_ranks_per_node(ranks_per_node, "ranks_per_node")
             else:
-                rpn = _parse_ranks_per_node(
+                rpn = parse_ranks_per_node(
                     os.environ.get(ENV_RANKS_PER_NODE), ENV_RANKS_PER_NODE)
         except ValueError as exc:
             error = exc

@@ -1,6 +1,6 @@
 """Layer-2 tests: this folder runs under mpiexec, one pytest per rank.
 
-Launched by ``tests/test_mpi_driver.py`` as
+Launched by ``tests/e2e/test_mpi_driver.py`` as
 ``mpiexec -n N python -m mpi4py -m pytest tests/mpi``. A test that fails on
 one rank while the others wait in a collective would hang the job, so a
 failure prints its report and aborts the whole MPI job at once; the driver's

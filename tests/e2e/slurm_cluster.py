@@ -51,7 +51,7 @@ FINAL_STATES = {
 CMD_TIMEOUT_S = 30  # for one scontrol / sbatch / squeue call
 
 SLURM_CONF = """\
-# Private test cluster written by tests/slurm_cluster.py; loopback only.
+# Private test cluster written by tests/e2e/slurm_cluster.py; loopback only.
 ClusterName=hsgdtest
 # Job ids unique across clusters on this host: MPICH names its shared-memory
 # segments after the job step, so two clusters both running job 1 would clash.

@@ -8,12 +8,10 @@ import h5py
 import numpy as np
 import pytest
 
-from hsgd import _h5write
-from hsgd._loader_setup import loader_block_size
-from hsgd.data import describe, ensure_mnist1d, main, write_mnist1d
-from hsgd.parallel_io import ContiguousH5Loader
+from hsgd.data import describe, ensure_mnist1d, main, write_dataset, write_mnist1d
+from hsgd.parallel_io import ContiguousH5Loader, loader_block_size
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -114,11 +112,13 @@ def test_failed_write_leaves_the_old_file_and_no_temporary(npy, capsys, monkeypa
     x, y, d = npy
     (d / "out.h5").write_bytes(b"old contents")
 
-    def broken(file, name, *args):
-        file.create_dataset(name, data=np.zeros(3))
+    real = h5py.Group.create_dataset
+
+    def broken(group, name, *args, **kwargs):  # the first data set is made, then the disk is full
+        real(group, name, data=np.zeros(3))
         raise OSError("quota exceeded")
 
-    monkeypatch.setattr(_h5write, "_write", broken)
+    monkeypatch.setattr(h5py.Group, "create_dataset", broken)
     status, _, err = run(capsys, "convert", "--x", d / "x.npy", "--y", d / "y.npy",
                          "-o", d / "out.h5")
     assert status == 1 and "quota exceeded" in err
@@ -170,7 +170,7 @@ def test_ensure_mnist1d_caches(tmp_path):
 
 def test_inspect(npy, capsys):
     x, y, d = npy
-    _h5write.write_dataset(d / "o.h5", x, y, compress=True)
+    write_dataset(d / "o.h5", x, y, compress=True)
     status, out, _ = run(capsys, "inspect", d / "o.h5")
     assert status == 0
     assert "x  " in out and "(300, 3, 4)" in out and "gzip(4)+shuffle" in out

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = int(os.environ.get("HSGD_MPI_TEST_TIMEOUT", "420"))
 SHM = Path("/dev/shm")
 # torch's own per-user compile cache (made in TMPDIR by the first optimizer step):

@@ -1,6 +1,6 @@
 """Slurm, for real: the project's batch scripts on a private cluster on loopback.
 
-tests/slurm_cluster.py starts a slurmctld and three slurmd (emulated nodes
+tests/e2e/slurm_cluster.py starts a slurmctld and three slurmd (emulated nodes
 n1..n3, all on this host) for this module, and every test submits one of
 scripts/slurm/*.sbatch with sbatch and polls the job to its end.
 
@@ -41,7 +41,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_cluster import LocalSlurm, SlurmError  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts" / "slurm"
 JOB_TIMEOUT_S = float(os.environ.get("HSGD_SLURM_JOB_TIMEOUT", "300"))
 # A job RUNNING this long without every rank past MPI_Init has stalled at

@@ -6,7 +6,7 @@ import torch
 from hsgd import HierarchicalLocalSGD, HierarchicalSGD, InputError, SyncMode, Topology
 from hsgd.intra_node import Layout, slice_bounds
 from hsgd.modes import SYNC_MODES
-from hsgd.topology import _parse_ranks_per_node
+from hsgd.topology import parse_ranks_per_node
 
 
 @pytest.mark.parametrize("numel", [0, 1, 15, 16, 17, 1000, 4913])
@@ -35,13 +35,13 @@ def test_layout_rejects_other_dtypes(dtype):
 
 @pytest.mark.parametrize("value,want", [(None, None), ("", None), ("3", 3), (" 2 ", 2), (4, 4)])
 def test_ranks_per_node_parsing(value, want):
-    assert _parse_ranks_per_node(value, "x") == want
+    assert parse_ranks_per_node(value, "x") == want
 
 
 @pytest.mark.parametrize("value", [0, -1, "0", "abc", "2.5", 2.5, True])
 def test_ranks_per_node_rejects(value):
     with pytest.raises(ValueError, match="HSGD_RANKS_PER_NODE"):
-        _parse_ranks_per_node(value, "HSGD_RANKS_PER_NODE")
+        parse_ranks_per_node(value, "HSGD_RANKS_PER_NODE")
 
 
 def model_and_opt(mode=HierarchicalSGD, **kwargs):
