@@ -14,9 +14,10 @@ Every multi-rank test starts its job through :func:`run_mpi` (or
   are removed too. A job that *succeeded* and still left something fails the
   test: a clean run must leave nothing behind.
 
-A segment in ``/dev/shm`` counts as left behind when it appeared during the
-job and no live process maps it any more, so jobs of others that run at the
-same time are never touched.
+A segment in ``/dev/shm`` counts as left behind when the job's processes
+(the launcher and everything below it) were seen mapping it while it ran and no live process maps it
+any more, so what other programs on the host leave or use at the same time is
+never blamed on the job, nor removed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -88,12 +90,31 @@ def shm_names() -> set:
         return set()
 
 
-def _mapped_shm() -> set:
-    """Names of /dev/shm files that some live process has mapped."""
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+def _descendants(root: int) -> List[int]:
+    """PIDs of ``root`` and every process below it (MPICH's ranks call setsid, so their
+    session and process group are their own: only parentage finds them)."""
+    children: Dict[int, List[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            text = maps.read_text()
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _mapped_shm(pids: Optional[List[int]] = None) -> set:
+    """Names of /dev/shm files mapped by live processes (by ``pids`` only, if given)."""
+    names = set()
+    dirs = Path("/proc").glob("[0-9]*") if pids is None else (Path(f"/proc/{pid}") for pid in pids)
+    for proc_dir in dirs:
+        try:
+            text = (proc_dir / "maps").read_text()
         except OSError:
             continue  # the process ended, or is not ours to read
         names.update(line.rsplit("/dev/shm/", 1)[1].split(" ")[0]
@@ -101,15 +122,22 @@ def _mapped_shm() -> set:
     return names
 
 
-def leaked_shm(before: set) -> List[str]:
-    """Segments new since ``before`` that no live process maps: left behind by a job."""
+def leaked_shm(before: set, ours: Optional[set] = None) -> List[str]:
+    """Segments new since ``before`` that no live process maps: left behind by a job.
+
+    ``ours``: the segments the job's processes were seen mapping; only those
+    count, so that what other programs on the host leave at the same time is
+    not blamed on this job (nor removed).
+    """
     new = shm_names() - before
+    if ours is not None:
+        new &= ours
     return sorted(new - _mapped_shm()) if new else []
 
 
-def remove_leftovers(before: set, tmpdir: Optional[str]) -> List[str]:
+def remove_leftovers(before: set, tmpdir: Optional[str], ours: Optional[set] = None) -> List[str]:
     """Remove what a finished job left (see :func:`leaked_shm`, ``tmpdir``); return it."""
-    left = [f"/dev/shm/{name}" for name in leaked_shm(before)]
+    left = [f"/dev/shm/{name}" for name in leaked_shm(before, ours)]
     for path in left:
         Path(path).unlink(missing_ok=True)
     if tmpdir is not None and os.path.isdir(tmpdir):
@@ -119,11 +147,12 @@ def remove_leftovers(before: set, tmpdir: Optional[str]) -> List[str]:
 
 
 def _kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every rank (one process group, see ``start_new_session``)."""
-    try:
-        os.killpg(proc.pid, 9)
-    except ProcessLookupError:
-        pass
+    """SIGKILL the launcher and every process below it (the ranks)."""
+    for pid in reversed(_descendants(proc.pid)):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
 
 
 def run_mpi(nprocs: int, args: Sequence[str], timeout: float = TIMEOUT_S,
@@ -134,17 +163,25 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = TIMEOUT_S,
     tmpdir = tempfile.mkdtemp(prefix="hsgd-job-")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(env, tmpdir), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ours: set = set()  # segments the job's processes were seen mapping
+    deadline = time.monotonic() + timeout
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_job(proc)
-        out, err = proc.communicate()
-        remove_leftovers(before, tmpdir)
-        pytest.fail(f"{' '.join(cmd)} hung for more than {timeout} s\n"
-                    f"--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}")
+        while True:
+            try:
+                out, err = proc.communicate(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:  # no output is lost: communicate() keeps it
+                ours |= _mapped_shm(_descendants(proc.pid))
+                if time.monotonic() < deadline:
+                    continue
+            _kill_job(proc)
+            out, err = proc.communicate()
+            remove_leftovers(before, tmpdir, ours)
+            pytest.fail(f"{' '.join(cmd)} hung for more than {timeout} s\n"
+                        f"--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}")
     finally:
         _kill_job(proc)  # stray ranks of a launcher that died
-    left = remove_leftovers(before, tmpdir)
+    left = remove_leftovers(before, tmpdir, ours)
     if proc.returncode == 0 and left:
         pytest.fail(f"{' '.join(cmd)} succeeded but left files behind (now removed): {left}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
