@@ -15,9 +15,8 @@ import math
 import h5py
 import numpy as np
 
+from ._data_checks import check_file, check_labels_nonnegative, check_lengths, check_x_dtype, check_y, missing_key_error
 from ._engine.agree import agree
-from ._data_checks import (check_file, check_labels_nonnegative, check_lengths,
-                           check_x_dtype, check_y, missing_key_error)
 from ._h5source import H5Source
 from ._io_plan import default_block_size, default_window_blocks, rank_range
 

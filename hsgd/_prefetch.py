@@ -16,16 +16,22 @@ scratch buffer and then gathered into the output in shuffled order
 directly into the output. A batch that spans two windows copies the first
 window's tail (fewer than ``batch_size`` samples).
 
-Direct reads (``os.preadv``) and the shuffle release the GIL; h5py's reads
-(compressed data) hold it, so those overlap with the consumer's torch
-compute only, not with its Python code. The shuffle runs on torch's
-intra-op threads: under MPI, set ``OMP_NUM_THREADS`` (or
-``torch.set_num_threads``) to the cores per rank, since oversubscribed
-threads made it several times slower in our measurements.
+Direct reads (``os.preadv``) and the shuffle release the GIL. So do h5py's
+reads (compressed data, labels stored other than as int64), but they hold
+h5py's global lock, so they do not overlap with the consumer's own h5py
+calls. The shuffle runs on torch's intra-op threads: under MPI, set
+``OMP_NUM_THREADS`` (or ``torch.set_num_threads``) to the cores per rank,
+since oversubscribed threads made it several times slower in our
+measurements.
+
+Interpreter exit: a loader that was never closed leaves its thread running,
+possibly inside HDF5. :func:`_stop_all_at_exit` stops it before h5py's own
+exit hook touches HDF5 (see there).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import sys
@@ -173,6 +179,34 @@ def _shutdown(stop: threading.Event, out: queue.Queue, thread) -> None:
             logger.warning("hsgd prefetch thread still reading after 60 s; leaving it")
 
 
+_LIVE: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+
+
+def _stop_all_at_exit() -> None:
+    """atexit hook: stop every prefetch thread while HDF5 is still safe to use.
+
+    h5py's atexit hook (``h5py._conv.unregister_converters``) calls HDF5
+    without h5py's lock, and h5py releases the GIL inside ``H5Dread``; HDF5 is
+    not thread-safe, so a prefetch thread still reading through h5py at exit
+    ran in HDF5 at the same time and crashed the process (SIGSEGV in
+    ``H5CX_pop``). ``weakref.finalize``'s own exit hook stops the thread too
+    late: it is registered when torch is imported, usually before h5py, and
+    atexit runs hooks last-registered first.
+    """
+    for prefetcher in list(_LIVE):
+        prefetcher.close()
+
+
+def _register_exit_hook() -> None:
+    """(Re-)register :func:`_stop_all_at_exit` as the newest atexit hook.
+
+    Done whenever a thread starts, so that it runs before every hook
+    registered until then (h5py's included, whatever the import order).
+    """
+    atexit.unregister(_stop_all_at_exit)
+    atexit.register(_stop_all_at_exit)
+
+
 class Prefetcher:
     """Iterate batches of ``iter_windows(...)``; ``prefetch`` windows ahead in a thread.
 
@@ -192,11 +226,14 @@ class Prefetcher:
             self._thread = threading.Thread(target=_produce, name="hsgd-prefetch",
                                             args=(windows, self._queue, self._stop),
                                             daemon=True)
-            self._thread.start()
         self._finalizer = weakref.finalize(self, _shutdown, self._stop,
                                            self._queue, self._thread)
+        if self._thread is not None:
+            _LIVE.add(self)
+            _register_exit_hook()
+            self._thread.start()
 
-    def __iter__(self) -> "Prefetcher":
+    def __iter__(self) -> Prefetcher:
         return self
 
     def __next__(self) -> tuple:

@@ -65,8 +65,7 @@ import numpy as np
 
 from ._engine.agree import agree, check_all
 from ._io_plan import EpochPlan, default_block_size, plan_epoch, rank_range, shard_range
-from ._loader_setup import (check_settings_agree, loader_block_size, open_checked,
-                            scan_labels)
+from ._loader_setup import check_settings_agree, loader_block_size, open_checked, scan_labels
 from ._prefetch import Prefetcher, iter_windows
 
 __all__ = ["ContiguousH5Loader", "EpochPlan", "plan_epoch", "shard_range",
@@ -247,7 +246,7 @@ class ContiguousH5Loader:
         self._stop_active()
         self._close_source()
 
-    def __enter__(self) -> "ContiguousH5Loader":
+    def __enter__(self) -> ContiguousH5Loader:
         return self
 
     def __exit__(self, *exc) -> None:

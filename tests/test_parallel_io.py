@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from hsgd import _h5source, _prefetch
-from hsgd._loader_setup import check_settings_agree
 from hsgd._io_plan import default_window_blocks
-from hsgd.parallel_io import (ContiguousH5Loader, default_block_size, plan_epoch,
-                              shard_range)
+from hsgd._loader_setup import check_settings_agree
+from hsgd.parallel_io import ContiguousH5Loader, default_block_size, plan_epoch, shard_range
 
 
 class FakeComm:
@@ -453,8 +452,41 @@ def test_unclosed_loader_does_not_hang_interpreter_exit(tmp_path):
     code = ("from hsgd.parallel_io import ContiguousH5Loader as L\n"
             f"it = iter(L({str(tmp_path / 'd.h5')!r}, batch_size=2, block_size=64, prefetch=4))\n"
             "next(it)\n")
-    proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True)
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], timeout=120,
+                          capture_output=True)
     assert proc.returncode == 0, proc.stderr.decode()
+
+
+# h5py's atexit hook calls HDF5 without h5py's lock; a prefetch thread still
+# inside H5Dread then (h5py releases the GIL there) crashed the process at exit
+# (SIGSEGV, rarely). Deterministic check of the cause: the child puts a probe at
+# the place of h5py's hook that reports the prefetch threads still alive.
+_EXIT_ORDER_CHILD = """
+import atexit, threading
+from hsgd.parallel_io import ContiguousH5Loader as L
+from h5py._conv import unregister_converters
+
+def probe():
+    alive = [t for t in threading.enumerate() if t.name == "hsgd-prefetch" and t.is_alive()]
+    print("prefetch threads alive at h5py's exit hook:", len(alive), flush=True)
+    unregister_converters()
+
+atexit.unregister(unregister_converters)
+atexit.register(probe)
+its = [iter(L({path!r}, batch_size=2, block_size=64, prefetch=2, shuffle=s)) for s in (1, 0)]
+for it in its:
+    next(it)
+"""
+
+
+def test_unclosed_loader_stops_its_thread_before_h5py_exit_hook(tmp_path):
+    make_h5(tmp_path / "d.h5", n=20000, shape=(64,))  # int32 labels: read through h5py
+    code = _EXIT_ORDER_CHILD.format(path=str(tmp_path / "d.h5"))
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], timeout=120,
+                          capture_output=True)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert b"prefetch threads alive at h5py's exit hook: 0\n" in proc.stdout, \
+        proc.stdout.decode() + proc.stderr.decode()
 
 
 # ---- bad input -----------------------------------------------------------
