@@ -65,7 +65,7 @@ def _parse(argv=None):
 
 def make_file(path: Path, shape, gib: float, seed: int = 0) -> int:
     """Random float32 samples and int64 labels, chunked as ``hsgd.data convert`` does."""
-    from hsgd._h5write import chunk_rows
+    from hsgd._io.h5write import chunk_rows
 
     sample_bytes = 4 * int(np.prod(shape))
     n = max(1, int(gib * (1 << 30)) // sample_bytes)

@@ -10,7 +10,7 @@ Subcommands::
 ``convert`` writes keys ``x, y``, or ``x_train, y_train, x_test, y_test``
 with ``--test-fraction``, in a seeded random order (``--no-shuffle`` keeps
 it), chunked by whole samples (about 1 MiB per chunk) for
-:class:`~hsgd.parallel_io.ContiguousH5Loader`; see :mod:`hsgd._h5write`.
+:class:`~hsgd.parallel_io.ContiguousH5Loader`; see :mod:`hsgd._io.h5write`.
 
 ``mnist1d`` generates MNIST-1D offline from the ``mnist1d`` package's
 templates (no download): ``--samples`` is the number generated (mnist1d's
@@ -37,12 +37,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ._data_checks import check_file
 from ._engine.agree import agree
 from ._engine.checks import check_int
-from ._h5write import write_dataset, write_pairs
-from ._io_plan import default_window_blocks
-from ._loader_setup import list_datasets, loader_block_size
+from ._io.data_checks import check_file
+from ._io.h5write import write_dataset, write_pairs
+from ._io.loader_setup import list_datasets, loader_block_size
+from ._io.plan import default_window_blocks
 from .errors import InputError, InputFileNotFoundError, InputValueError
 
 __all__ = ["write_mnist1d", "ensure_mnist1d", "describe", "main"]

@@ -11,7 +11,7 @@ memory instead (the HSGD paper's I/O design):
 * each epoch the blocks are permuted the same way on every rank (seeded by
   ``seed`` and the epoch) and the permuted stream is cut into equal
   contiguous per-rank ranges, so every rank yields exactly ``len(loader)``
-  batches (:mod:`hsgd._io_plan` has the arithmetic; :func:`plan_epoch`);
+  batches (:mod:`hsgd._io.plan` has the arithmetic; :func:`plan_epoch`);
 * a rank reads each of its blocks with one contiguous read into a
   preallocated buffer (``os.preadv`` at the data's file offset when the data
   set is uncompressed, h5py's ``read_direct`` otherwise), in a background
@@ -64,9 +64,9 @@ from typing import Optional
 import numpy as np
 
 from ._engine.agree import agree, check_all
-from ._io_plan import EpochPlan, default_block_size, plan_epoch, rank_range, shard_range
-from ._loader_setup import check_settings_agree, loader_block_size, open_checked, scan_labels
-from ._prefetch import Prefetcher, iter_windows
+from ._io.loader_setup import check_settings_agree, loader_block_size, open_checked, scan_labels
+from ._io.plan import EpochPlan, default_block_size, plan_epoch, rank_range, shard_range
+from ._io.prefetch import Prefetcher, iter_windows
 
 __all__ = ["ContiguousH5Loader", "EpochPlan", "plan_epoch", "shard_range",
            "default_block_size", "loader_block_size"]
@@ -104,14 +104,14 @@ class ContiguousH5Loader:
             aligned to the chunk rows).
         window_blocks: blocks shuffled together in memory (default: the
             fewest holding 1024 samples, at most 16 MiB; see
-            :func:`~hsgd._io_plan.default_window_blocks`).
+            :func:`~hsgd._io.plan.default_window_blocks`).
         drop_last, pad: the remainder rule (module docstring).
         prefetch: windows read ahead in a background thread (0: no thread).
         return_indices: also yield the int64 global sample indices per batch.
         check_labels: scan the labels once for negative values (each rank
             scans ``1 / world_size`` of them).
         direct_reads: read uncompressed data sets with ``os.preadv`` at their
-            file offsets (faster, releases the GIL; :mod:`hsgd._h5source`);
+            file offsets (faster, releases the GIL; :mod:`hsgd._io.h5source`);
             ``False`` reads everything through h5py.
     """
 

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from hsgd import _h5source, _prefetch
-from hsgd._io_plan import default_window_blocks
-from hsgd._loader_setup import check_settings_agree
+from hsgd._io import h5source as _h5source
+from hsgd._io import prefetch as _prefetch
+from hsgd._io.loader_setup import check_settings_agree
+from hsgd._io.plan import default_window_blocks
 from hsgd.parallel_io import ContiguousH5Loader, default_block_size, plan_epoch, shard_range
 
 

@@ -15,10 +15,10 @@ import math
 import h5py
 import numpy as np
 
-from ._data_checks import check_file, check_labels_nonnegative, check_lengths, check_x_dtype, check_y, missing_key_error
-from ._engine.agree import agree
-from ._h5source import H5Source
-from ._io_plan import default_block_size, default_window_blocks, rank_range
+from .._engine.agree import agree
+from .data_checks import check_file, check_labels_nonnegative, check_lengths, check_x_dtype, check_y, missing_key_error
+from .h5source import H5Source
+from .plan import default_block_size, default_window_blocks, rank_range
 
 __all__ = ["open_checked", "check_settings_agree", "scan_labels", "list_datasets",
            "loader_block_size"]

@@ -46,7 +46,7 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
-from .errors import InputValueError
+from ..errors import InputValueError
 
 __all__ = ["EpochPlan", "plan_epoch", "rank_range", "shard_range",
            "default_block_size", "default_window_blocks", "DEFAULT_BLOCK_BYTES"]

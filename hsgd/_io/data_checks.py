@@ -14,7 +14,7 @@ from typing import Iterable, Tuple
 import numpy as np
 import torch
 
-from .errors import InputFileNotFoundError, InputPermissionError, InputValueError
+from ..errors import InputFileNotFoundError, InputPermissionError, InputValueError
 
 __all__ = ["check_file", "check_x_dtype", "check_y", "check_lengths",
            "check_labels_nonnegative", "missing_key_error", "MAKE_DATA_HINT"]

@@ -1,7 +1,7 @@
-"""Reading an :class:`~hsgd._io_plan.EpochPlan` window by window, in the background.
+"""Reading an :class:`~hsgd._io.plan.EpochPlan` window by window, in the background.
 
 :func:`iter_windows` reads each window's segments with
-:meth:`~hsgd._h5source.H5Source.read` (one contiguous row range each,
+:meth:`~hsgd._io.h5source.H5Source.read` (one contiguous row range each,
 straight into a preallocated buffer), asks the kernel to start on the next
 window, shuffles, and yields the window's batches; :class:`Prefetcher` runs
 it in a daemon thread, at most ``prefetch`` windows ahead of the consumer.
@@ -42,7 +42,7 @@ from typing import Iterator, List, Optional
 import numpy as np
 import torch
 
-from ._h5source import H5Source
+from .h5source import H5Source
 
 __all__ = ["iter_windows", "Prefetcher"]
 

@@ -25,8 +25,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import h5py
 import numpy as np
 
-from ._data_checks import check_labels_nonnegative, check_lengths, check_x_dtype, check_y
-from .errors import InputFileNotFoundError, InputValueError
+from ..errors import InputFileNotFoundError, InputValueError
+from .data_checks import check_labels_nonnegative, check_lengths, check_x_dtype, check_y
 
 __all__ = ["atomic_h5", "write_pairs", "write_dataset", "chunk_rows", "CHUNK_BYTES"]
 
