@@ -64,9 +64,11 @@ from typing import Optional
 import numpy as np
 
 from ._engine.agree import agree, check_all
+from ._engine.checks import check_int
 from ._io.loader_setup import check_settings_agree, loader_block_size, open_checked, scan_labels
 from ._io.plan import EpochPlan, default_block_size, plan_epoch, rank_range, shard_range
 from ._io.prefetch import Prefetcher, iter_windows
+from .errors import InputError, InputValueError
 
 __all__ = ["ContiguousH5Loader", "EpochPlan", "plan_epoch", "shard_range",
            "default_block_size", "loader_block_size"]
@@ -79,7 +81,7 @@ _ORDER_KEYS = ("num_samples", "world_size", "batch_size", "block_size", "seed",
 
 def _resolve_comm(comm, topology):
     if comm is not None and topology is not None:
-        raise ValueError("pass comm or topology, not both")
+        raise InputValueError("pass comm or topology, not both")
     if topology is not None:
         return topology.comm
     if comm is None:
@@ -132,7 +134,7 @@ class ContiguousH5Loader:
         try:
             self._source, self.block_size, self.window_blocks = open_checked(
                 self, block_size, window_blocks)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+        except InputError as exc:  # a bad file or argument: raised on every rank by agree
             error = exc
         try:
             agree(self.comm, error)
@@ -185,14 +187,13 @@ class ContiguousH5Loader:
         keeps its position, so ``set_epoch(epoch)`` at the top of the training
         loop does not undo a mid-epoch :meth:`load_state_dict`.
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"Invalid epoch: {epoch!r}; it must be an integer >= 0")
+        check_int("epoch", epoch, minimum=0)
         if position is None:
             position = self._position if int(epoch) == self._epoch else 0
         if isinstance(position, bool) or not isinstance(position, (int, np.integer)) \
                 or not 0 <= position <= len(self):
-            raise ValueError(f"Invalid position {position!r}: the epoch has {len(self)} "
-                             "batches")
+            raise InputValueError(f"Invalid position {position!r}: the epoch has {len(self)} "
+                                  "batches")
         if (int(epoch), int(position)) != (self._epoch, self._position):
             self._stop_active()
             self._epoch, self._position = int(epoch), int(position)
@@ -207,8 +208,8 @@ class ContiguousH5Loader:
                   for key, value in self._settings().items()
                   if key in _ORDER_KEYS and state.get(key) != value]
         if differ:
-            raise ValueError("cannot resume the same sample order: the state was saved with "
-                             + ", ".join(differ) + "; build the loader with the saved settings")
+            raise InputValueError("cannot resume the same sample order: the state was saved with "
+                                  + ", ".join(differ) + "; build the loader with the saved settings")
         self._stop_active()
         self.set_epoch(state["epoch"], state["position"])
 

@@ -16,6 +16,8 @@ import h5py
 import numpy as np
 
 from .._engine.agree import agree
+from .._engine.checks import check_int
+from ..errors import InputValueError
 from .data_checks import check_file, check_labels_nonnegative, check_lengths, check_x_dtype, check_y, missing_key_error
 from .h5source import H5Source
 from .plan import default_block_size, default_window_blocks, rank_range
@@ -48,10 +50,8 @@ def _get(file, key):
 
 
 def _check_int(name, value, minimum, optional=False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"Invalid {name}: {value!r}; it must be an integer >= {minimum}")
+    if not (optional and value is None):
+        check_int(name, value, minimum)
 
 
 def _check_args(loader, block_size, window_blocks) -> None:
@@ -61,12 +61,12 @@ def _check_args(loader, block_size, window_blocks) -> None:
     _check_int("window_blocks", window_blocks, 1, optional=True)
     _check_int("prefetch", loader.prefetch, 0)
     if not loader.pad and loader.drop_last:
-        raise ValueError("pad=False only applies with drop_last=False; set "
-                         "drop_last=False, pad=False to see every sample exactly once")
+        raise InputValueError("pad=False only applies with drop_last=False; set "
+                              "drop_last=False, pad=False to see every sample exactly once")
     for name in ("x_key", "y_key"):
         if not isinstance(getattr(loader, name), str):
-            raise ValueError(f"Invalid {name}: {getattr(loader, name)!r}; pass the name "
-                             "of a data set in the file, e.g. 'x'")
+            raise InputValueError(f"Invalid {name}: {getattr(loader, name)!r}; pass the name "
+                                  "of a data set in the file, e.g. 'x'")
 
 
 def _check_datasets(file, path, x_key, y_key) -> None:
@@ -75,7 +75,7 @@ def _check_datasets(file, path, x_key, y_key) -> None:
             raise missing_key_error(path, key, list_datasets(file), argument)
     x, y = file[x_key], file[y_key]
     if x.ndim == 0:
-        raise ValueError(f"x data set '{x_key}' is a scalar; it needs one row per sample")
+        raise InputValueError(f"x data set '{x_key}' is a scalar; it needs one row per sample")
     check_x_dtype(x.dtype, x_key)
     check_y(y.dtype, y.shape, y_key)
     check_lengths(len(x), len(y), x_key, y_key)
@@ -95,7 +95,7 @@ def open_checked(loader, block_size, window_blocks):
             rank_range(len(file[loader.y_key]), loader.world_size, loader.rank,
                        loader.batch_size, loader.drop_last, loader.pad)
         except ValueError as exc:
-            raise ValueError(f"'{loader.path}' ('{loader.x_key}'): {exc}") from None
+            raise InputValueError(f"'{loader.path}' ('{loader.x_key}'): {exc}") from None
         source = H5Source(file, loader.x_key, loader.y_key, direct=loader.direct_reads)
     except BaseException:
         file.close()

@@ -46,6 +46,7 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
+from .._engine.checks import check_int
 from ..errors import InputValueError
 
 __all__ = ["EpochPlan", "plan_epoch", "rank_range", "shard_range",
@@ -254,12 +255,9 @@ def plan_epoch(num_samples: int, world_size: int, rank: int, batch_size: int,
         >>> plan.num_batches, len(plan.segments) <= 5
         (8, True)
     """
-    for name, value in (("block_size", block_size), ("window_blocks", window_blocks)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise InputValueError(f"Invalid {name}: {value!r}; it must be a positive integer")
-    for name, value in (("seed", seed), ("epoch", epoch)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise InputValueError(f"Invalid {name}: {value!r}; it must be an integer >= 0")
+    for name, value, minimum in (("block_size", block_size, 1), ("window_blocks", window_blocks, 1),
+                                 ("seed", seed, 0), ("epoch", epoch, 0)):
+        check_int(name, value, minimum)
     start, count = rank_range(num_samples, world_size, rank, batch_size, drop_last, pad)
     order, offset = _block_order(num_samples, block_size, shuffle, seed, epoch)
     segments = _stream_segments(num_samples, block_size, order, offset, start, count)
