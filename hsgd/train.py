@@ -64,6 +64,9 @@ def main(argv=None) -> int:
         if comm.Get_rank() == 0:
             print(f"python -m hsgd.train: error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if cfg.ignored_flags() and comm.Get_rank() == 0:
+        print(f"python -m hsgd.train: warning: {' '.join(cfg.ignored_flags())} do(es) not apply "
+              f"to --sync {cfg.sync}; ignored", file=sys.stderr)
     try:
         return Trainer(cfg, comm, stopper).run()
     except Exception as exc:  # noqa: BLE001 - sorted below

@@ -24,7 +24,6 @@ averagings, so that evaluation and checkpoints must average them) and
 
 from __future__ import annotations
 
-import logging
 from typing import ClassVar, Dict, Tuple
 
 import torch
@@ -40,9 +39,6 @@ from .binding import SlotBinding
 from .checks import check_choice
 
 __all__ = ["SyncMode"]
-
-logger = logging.getLogger(__name__)
-
 
 def _check_common(optimizer, model, inter_node) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):

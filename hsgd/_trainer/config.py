@@ -124,6 +124,14 @@ class TrainConfig:
             return "--resume needs --checkpoint-dir or --run-dir to find the latest checkpoint"
         return None
 
+    def ignored_flags(self) -> List[str]:
+        """Flags of other synchronization modes set away from their default: --sync's mode ignores them."""
+        mine = set(SYNC_MODES[self.sync].config_fields)
+        others = {name for mode in SYNC_MODES.values() for name in mode.config_fields} - mine
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [f"--{name.replace('_', '-')}" for name in sorted(others)
+                if getattr(self, name) != defaults[name]]
+
     def _milestones_problem(self) -> Optional[str]:
         if not self.milestones:
             return "--schedule step needs --milestones, e.g. --milestones 10 20"

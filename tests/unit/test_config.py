@@ -2,7 +2,7 @@
 
 import pytest
 
-from hsgd._trainer.config import parse_config
+from hsgd.train import parse_config
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -34,3 +34,13 @@ def test_bad_flags_are_named(argv, flag):
 ])
 def test_good_flags_pass(argv):
     assert parse_config(argv).validate() is None
+
+
+@pytest.mark.parametrize("argv,ignored", [
+    (["--intra-period", "2"], ["--intra-period"]),
+    (["--sync", "sync", "--intra-period", "2", "--inter-period", "3"], ["--inter-period", "--intra-period"]),
+    (["--sync", "local", "--intra-period", "2"], []),
+    ([], []),
+])
+def test_flags_of_another_mode_are_reported_as_ignored(argv, ignored):
+    assert parse_config(argv).ignored_flags() == ignored
