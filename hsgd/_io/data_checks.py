@@ -40,11 +40,11 @@ def check_file(path) -> None:
 
 
 def missing_key_error(path, key: str, available: Iterable[Tuple[str, tuple, str]],
-                      argument: str) -> ValueError:
+                      argument: str) -> InputValueError:
     """The error for a data set ``key`` absent from ``path``, listing what exists."""
     listing = ", ".join(f"'{name}' {shape} {dtype}" for name, shape, dtype in available)
-    return ValueError(f"'{path}' has no data set '{key}'; it has: {listing or 'nothing'}; "
-                      f"pass {argument}= naming one of them")
+    return InputValueError(f"'{path}' has no data set '{key}'; it has: {listing or 'nothing'}; "
+                           f"pass {argument}= naming one of them")
 
 
 def check_x_dtype(dtype, name: str) -> None:

@@ -113,8 +113,8 @@ def check_settings_agree(comm, settings: dict) -> None:
         differ = [f"{key}: rank 0 has {everyone[0][key]!r}, rank {rank} has {value!r}"
                   for key, value in theirs.items() if value != everyone[0][key]]
         if differ and error is None:
-            error = ValueError("ranks disagree on loader settings (" + "; ".join(differ)
-                               + "); pass the same file and arguments on every rank")
+            error = InputValueError("ranks disagree on loader settings (" + "; ".join(differ)
+                                    + "); pass the same file and arguments on every rank")
     agree(comm, error)
 
 

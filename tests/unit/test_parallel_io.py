@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from hsgd import InputError
 from hsgd._io import h5source as _h5source
 from hsgd._io import prefetch as _prefetch
 from hsgd._io.loader_setup import check_settings_agree
@@ -518,8 +519,9 @@ def _write(path, **datasets):
 ])
 def test_bad_files_raise_clear_errors(tmp_path, datasets, kw, error, message):
     path = _write(tmp_path / "bad.h5", **datasets)
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as info:
         loader(path, **{"batch_size": 1, **kw})
+    assert isinstance(info.value, InputError)  # agreed on by every rank, not a bug's abort
 
 
 def test_missing_and_non_hdf5_files(tmp_path):
