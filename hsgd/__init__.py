@@ -3,24 +3,43 @@
 What users import lives here; the synchronization modes by family in
 subpackages (:mod:`hsgd.hierarchical`), private internals in ``hsgd._*``.
 
+The names below are loaded on first use (PEP 562), so that ``import hsgd``
+and the commands that need no MPI (``python -m hsgd.report``) do not start
+MPI: ``from mpi4py import MPI`` initializes it, which outside a launcher
+makes a singleton process (that some MPIs cannot start on a login node, and
+Open MPI 5 leaves a ``/dev/shm/sm_segment.*`` file behind for).
+
 Example::
 
     >>> from hsgd import HierarchicalSGD, Topology
     >>> opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
 """
 
+import importlib
+
 __version__ = "0.1.0"
 
-from ._engine.mode import SyncMode  # noqa: E402
-from .broadcast import broadcast_optimizer_state, broadcast_parameters  # noqa: E402
-from .errors import InputError, InputFileNotFoundError, InputPermissionError, InputTypeError, InputValueError  # noqa: E402
-from .hierarchical import HierarchicalLocalSGD, HierarchicalSGD  # noqa: E402
-from .lars import LARS  # noqa: E402
-from .parallel_io import ContiguousH5Loader  # noqa: E402
-from .schedules import WarmupMultiStepLR, WarmupPolyLR, scaled_lr  # noqa: E402
-from .topology import Topology  # noqa: E402
+# public name -> the module that defines it
+_EXPORTS = {
+    "SyncMode": "._engine.mode",
+    "HierarchicalSGD": ".hierarchical", "HierarchicalLocalSGD": ".hierarchical",
+    "Topology": ".topology", "ContiguousH5Loader": ".parallel_io", "LARS": ".lars",
+    "WarmupPolyLR": ".schedules", "WarmupMultiStepLR": ".schedules", "scaled_lr": ".schedules",
+    "broadcast_parameters": ".broadcast", "broadcast_optimizer_state": ".broadcast",
+    "InputError": ".errors", "InputValueError": ".errors", "InputTypeError": ".errors",
+    "InputFileNotFoundError": ".errors", "InputPermissionError": ".errors",
+}
 
-__all__ = ["HierarchicalSGD", "HierarchicalLocalSGD", "SyncMode", "Topology", "ContiguousH5Loader",
-           "LARS", "WarmupPolyLR", "WarmupMultiStepLR", "scaled_lr", "broadcast_parameters",
-           "broadcast_optimizer_state", "InputError", "InputValueError", "InputTypeError",
-           "InputFileNotFoundError", "InputPermissionError", "__version__"]
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hsgd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

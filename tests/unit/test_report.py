@@ -5,6 +5,8 @@ Run directories are synthetic; expected numbers are computed by hand.
 
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -235,3 +237,10 @@ def test_main_unwritable_out_dir_exits_2(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main([str(run_dir), "--out", str(tmp_path / "file" / "plots")]) == 2
     assert "hsgd.report: error:" in capsys.readouterr().err
+
+
+def test_report_does_not_start_mpi():
+    """Reading a run needs no MPI: importing mpi4py.MPI would start a singleton MPI process
+    (which fails on some login nodes and leaves a /dev/shm file behind under Open MPI 5)."""
+    code = "import sys, hsgd, hsgd.report; sys.exit('mpi4py.MPI' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
