@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import pytest
 
@@ -108,6 +108,22 @@ def _descendants(root: int) -> List[int]:
     return found
 
 
+def _hydra_files(pids: List[int]) -> set:
+    """The hwloc topology files that MPICH's Hydra processes among ``pids`` hold open.
+
+    Hydra writes one to a fixed ``/tmp/hydra_hwloc_xmlfile_*`` path, whatever
+    ``TMPDIR`` says, and leaves it there when the job calls ``MPI_Abort``.
+    """
+    files = set()
+    for pid in pids:
+        try:
+            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue  # ended meanwhile
+        files.update(link for link in links if link.startswith("/tmp/hydra_hwloc_xmlfile_"))
+    return files
+
+
 def _mapped_shm(pids: Optional[List[int]] = None) -> set:
     """Names of /dev/shm files mapped by live processes (by ``pids`` only, if given)."""
     names = set()
@@ -135,9 +151,11 @@ def leaked_shm(before: set, ours: Optional[set] = None) -> List[str]:
     return sorted(new - _mapped_shm()) if new else []
 
 
-def remove_leftovers(before: set, tmpdir: Optional[str], ours: Optional[set] = None) -> List[str]:
-    """Remove what a finished job left (see :func:`leaked_shm`, ``tmpdir``); return it."""
+def remove_leftovers(before: set, tmpdir: Optional[str], ours: Optional[set] = None,
+                     files: Iterable[str] = ()) -> List[str]:
+    """Remove what a finished job left (see :func:`leaked_shm`, ``tmpdir``, ``files``); return it."""
     left = [f"/dev/shm/{name}" for name in leaked_shm(before, ours)]
+    left += [path for path in sorted(files) if os.path.exists(path)]
     for path in left:
         Path(path).unlink(missing_ok=True)
     if tmpdir is not None and os.path.isdir(tmpdir):
@@ -164,6 +182,7 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = TIMEOUT_S,
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(env, tmpdir), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     ours: set = set()  # segments the job's processes were seen mapping
+    hydra: set = set()  # Hydra's hwloc files for this job (in /tmp, see _hydra_files)
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -171,17 +190,19 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = TIMEOUT_S,
                 out, err = proc.communicate(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
                 break
             except subprocess.TimeoutExpired:  # no output is lost: communicate() keeps it
-                ours |= _mapped_shm(_descendants(proc.pid))
+                pids = _descendants(proc.pid)
+                ours |= _mapped_shm(pids)
+                hydra |= _hydra_files(pids)
                 if time.monotonic() < deadline:
                     continue
             _kill_job(proc)
             out, err = proc.communicate()
-            remove_leftovers(before, tmpdir, ours)
+            remove_leftovers(before, tmpdir, ours, hydra)
             pytest.fail(f"{' '.join(cmd)} hung for more than {timeout} s\n"
                         f"--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}")
     finally:
         _kill_job(proc)  # stray ranks of a launcher that died
-    left = remove_leftovers(before, tmpdir, ours)
+    left = remove_leftovers(before, tmpdir, ours, hydra)
     if proc.returncode == 0 and left:
         pytest.fail(f"{' '.join(cmd)} succeeded but left files behind (now removed): {left}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
