@@ -115,18 +115,27 @@ class SyncMode:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:  # the same on every rank now
             raise collective_error(InputValueError, "the model has no trainable parameters")
-        layout = self._layout(params)
         if broadcast:
             broadcast_parameters(model, comm)
         self.optimizer, self.model = optimizer, model
-        self.averager = HierarchicalAverager(self.topology, layout, inter_node)
+        self._build(params, inter_node)
+        self.num_steps = 0
+        self._closed = False
+
+    def _build(self, params, inter_node) -> None:
+        """Build what keeps the replicas in step (collective). The default: a shared window
+        with two-level averaging (:class:`HierarchicalAverager`), ``params`` bound to its slot."""
+        self.averager = HierarchicalAverager(self.topology, self._layout(params), inter_node)
         try:
             self._binding = SlotBinding(self.averager, params, self.bind, flags=self.bind == "grad")
         except BaseException:
             self.averager.close()
             raise
-        self.num_steps = 0
-        self._closed = False
+
+    def _teardown(self) -> None:
+        """Undo :meth:`_build` (collective); parameters and gradients keep their values."""
+        self._binding.unbind()
+        self.averager.close()
 
     def _layout(self, params) -> Layout:
         """One segment entry per parameter, plus the used-flags when gradients are bound."""
@@ -208,8 +217,7 @@ class SyncMode:
         if self._closed:
             return
         self._closed = True
-        self._binding.unbind()
-        self.averager.close()
+        self._teardown()
         if self._own_topology:
             self.topology.close()
 

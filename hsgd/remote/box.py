@@ -1,0 +1,211 @@
+"""The parameter box: global weights in remote memory, and two modes that train against them.
+
+Soft Memory Box (``shared/PAPERS.md``, section 5) keeps the global weights
+``W_g`` in a memory server that workers read and accumulate into without
+the server's CPU; the workers never wait for each other. Here ``W_g`` is a
+:class:`~hsgd.remote.memory.RemoteMemory` region (one shard per node
+leader, in the order of ``model.parameters()``), and each rank's model is
+its local replica ``W_x``:
+
+- :class:`ElasticSGD` (``--sync elastic``): SEASGD as in ShmCaffe. Every
+  ``tau`` steps a worker reads ``W_g``, computes
+  ``delta = alpha * (W_x - W_g)``, sets ``W_x -= delta`` and accumulates
+  ``W_g += delta``. The accumulate is issued and completed at the start of
+  the next round (or at :meth:`close`), so it overlaps the local steps in
+  between where the network moves data by itself.
+- :class:`AsyncSGD` (``--sync async``): asynchronous SGD. Every step the
+  inner optimizer updates ``W_x``; the change is accumulated into ``W_g``,
+  and the worker continues from a fresh read of ``W_g``. Any torch
+  optimizer works; its state (momentum, Adam moments) stays local.
+
+Neither has a barrier or collective in its step: a slow rank slows only
+itself. Construction and :meth:`close` are collective. ``W_g`` starts as
+rank 0's parameters (after the usual broadcast).
+
+Example::
+
+    >>> opt = hsgd.ElasticSGD(torch.optim.SGD(model.parameters(), lr=0.05), model, alpha=0.2)
+    >>> for x, y in loader:          # ranks may run different numbers of steps
+    ...     opt.zero_grad()
+    ...     loss_fn(model(x), y).backward()
+    ...     opt.step()
+    >>> weights = opt.global_parameters()   # W_g, in the order of model.parameters()
+    >>> opt.close()
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from .._engine.agree import collective_error
+from .._engine.binding import SlotBinding
+from .._engine.checks import check_int
+from .._engine.mode import SyncMode
+from ..errors import InputTypeError, InputValueError
+from .memory import DTYPES, RemoteMemory
+
+__all__ = ["ElasticSGD", "AsyncSGD", "BoxMode"]
+
+
+class _FlatSlot:
+    """A flat CPU buffer that :class:`SlotBinding` binds parameters to (one segment, no padding)."""
+
+    def __init__(self, params, dtype):
+        offsets = np.cumsum([0] + [p.numel() for p in params])
+        self.buffer = torch.zeros(int(offsets[-1]), dtype=dtype)
+        self.layout = SimpleNamespace(places=[(0, int(o)) for o in offsets[:-1]], dtypes=[dtype])
+
+    def own(self, segment: int) -> torch.Tensor:
+        return self.buffer
+
+
+class BoxMode(SyncMode):
+    """What :class:`ElasticSGD` and :class:`AsyncSGD` share: ``W_g`` in a RemoteMemory region.
+
+    The local parameters are views into one flat CPU buffer ``W_x`` (CPU
+    parameters without a copy; others are staged), so reads of ``W_g`` land
+    in them directly.
+    """
+
+    bind = "data"
+    replicas_differ = True
+
+    def _build(self, params, inter_node) -> None:
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float64):
+            raise collective_error(InputTypeError, f"{type(self).__name__} needs all trainable parameters "
+                                   f"in one of float32 or float64, got {sorted(map(str, dtypes))}")
+        dtype = dtypes.pop()
+        assert dtype in DTYPES
+        self._slot = _FlatSlot(params, dtype)
+        self._binding = SlotBinding(self._slot, params, "data")  # copies the values in, binds views
+        self.local = self._slot.buffer  # W_x
+        try:
+            self.box = RemoteMemory(self.topology.comm, self.local.numel(), dtype=dtype, topology=self.topology)
+        except BaseException:
+            self._binding.unbind()
+            raise
+        if self.topology.rank == 0:
+            self.box.write(0, self.local)  # W_g starts as rank 0's parameters (everyone's, after broadcast)
+        self.topology.comm.Barrier()
+
+    def _teardown(self) -> None:
+        self._binding.unbind()
+        self.box.close()
+
+    @property
+    def traffic(self):
+        """Bytes this rank read, wrote and accumulated: own node's shards ``intra``, others ``inter``."""
+        return self.box.traffic.as_dict()
+
+    def global_parameters(self) -> List[torch.Tensor]:
+        """A fresh read of ``W_g``, as tensors shaped (and placed) like ``model.parameters()``."""
+        self._check_open()
+        flat = self.box.read(0, torch.empty_like(self.local))
+        return [flat[off:off + p.numel()].view(p.shape).to(p.device, copy=True)
+                for p, (_, off) in zip(self._binding.params, self._slot.layout.places)]
+
+    def load_global_parameters(self, tensors) -> None:
+        """Set ``W_g`` and this rank's parameters to ``tensors`` (say, from a checkpoint). Collective."""
+        self._check_open()
+        tensors = list(tensors)
+        params = self._binding.params
+        if len(tensors) != len(params) or any(t.shape != p.shape for t, p in zip(tensors, params)):
+            raise InputValueError("load_global_parameters: expected one tensor per trainable parameter, "
+                                  "shaped like it, in the order of model.parameters()")
+        with torch.no_grad():
+            for p, t in zip(params, tensors):
+                p.data.copy_(t)
+        self._binding.gather()
+        comm = self.topology.comm
+        comm.Barrier()  # nobody reads or accumulates the old W_g any more
+        if self.topology.rank == 0:
+            self.box.write(0, self.local)
+        comm.Barrier()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.optimizer).__name__}, {self.box})"
+
+
+class ElasticSGD(BoxMode):
+    """Wraps ``optimizer``: local steps, and an elastic pull towards ``W_g`` every ``tau`` steps.
+
+    Args:
+        optimizer, model, topology, broadcast: see :class:`~hsgd._engine.mode.SyncMode`.
+        alpha: the elastic moving rate, in [0, 1]; 0 leaves ``W_g`` untouched.
+        tau: steps between rounds.
+    """
+
+    name = "elastic"
+    config_fields = ("alpha", "tau")
+
+    def __init__(self, optimizer, model, *, topology=None, alpha=0.2, tau=1, broadcast=True):
+        self.alpha, self.tau = alpha, tau
+        self._pending: Optional[torch.Tensor] = None
+        super().__init__(optimizer, model, topology=topology, broadcast=broadcast,
+                         settings={"alpha": alpha, "tau": tau})
+
+    def _check(self, alpha, tau) -> None:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+            raise InputValueError(f"Invalid alpha: {alpha!r}; use a number in [0, 1] (SEASGD uses 0.1 to 0.5)")
+        check_int("tau", tau)
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        if (self.num_steps + 1) % self.tau:
+            return
+        self._binding.gather()  # staged (non-CPU) parameters into W_x
+        self._finish_round()
+        global_w = self.box.read(0, torch.empty_like(self.local))
+        delta = global_w.sub_(self.local).mul_(-self.alpha)  # alpha * (W_x - W_g), in place of the copy
+        self.local.sub_(delta)
+        self._pending = delta
+        self.box.accumulate_start(0, delta)
+        self._binding.scatter()
+
+    def _finish_round(self) -> None:
+        if self._pending is not None:
+            self.box.accumulate_wait()
+            self._pending = None
+
+    def global_parameters(self) -> List[torch.Tensor]:
+        self._check_open()
+        self._finish_round()
+        return super().global_parameters()
+
+    def _teardown(self) -> None:
+        self._finish_round()
+        self.topology.comm.Barrier()  # every rank's last delta is in W_g before anyone frees it
+        super()._teardown()
+
+
+class AsyncSGD(BoxMode):
+    """Wraps ``optimizer``: each step's change goes into ``W_g``; the next step starts from ``W_g``.
+
+    Args:
+        optimizer, model, topology, broadcast: see :class:`~hsgd._engine.mode.SyncMode`.
+    """
+
+    name = "async"
+    config_fields = ()
+
+    def __init__(self, optimizer, model, *, topology=None, broadcast=True):
+        self._before: Optional[torch.Tensor] = None
+        super().__init__(optimizer, model, topology=topology, broadcast=broadcast, settings={})
+
+    def _step(self) -> None:
+        self._binding.gather()
+        before = self.local.clone()
+        self.optimizer.step()
+        self._binding.gather()
+        self.box.accumulate(0, self.local - before)
+        self.box.read(0, self.local)
+        self._binding.scatter()
+
+    def _teardown(self) -> None:
+        self.topology.comm.Barrier()  # every rank's last change is in W_g before anyone frees it
+        super()._teardown()

@@ -1,0 +1,417 @@
+"""``RemoteMemory``: a region of remote memory that ranks write, read and accumulate into.
+
+The idea of Soft Memory Box and of RDMA-as-a-device (``shared/PAPERS.md``):
+memory on another machine is a device. A worker writes into it, reads from
+it and accumulates into it, and the machine that owns the memory runs no
+code for any of it.
+
+The region is one logical array of ``numel`` elements of one ``dtype``,
+sharded in contiguous blocks over the ``owners`` ranks (default: each
+node's leader). Offsets are global; a transfer that spans shards is split
+here. Example (every rank runs it)::
+
+    >>> mem = RemoteMemory(comm, 1000)        # collective; zero-filled
+    >>> mem.accumulate(0, torch.ones(1000))   # element-wise atomic sum
+    >>> comm.Barrier()                         # orders it before the reads below
+    >>> out = torch.empty(10)
+    >>> mem.read(0, out)                       # every element is comm.size now
+    >>> with mem.lock():                       # one rank at a time
+    ...     ...
+    >>> mem.close()                            # collective
+
+How it works, and why so:
+
+- One RMA window, ``MPI.Win.Allocate`` over ``comm`` (owners allocate their
+  shard, the others nothing), with one passive-target epoch opened at
+  construction, ``Lock_all(MPI.MODE_NOCHECK)``, and closed by :meth:`close`.
+  Each operation is ``Put``/``Get``/``Accumulate`` followed by
+  ``Flush(owner)``: when it returns, the data is in the region. No rank
+  takes a lock on the window per operation. That matters: MPICH grants a
+  passive-target lock (``Win.Lock``, or ``Lock_all`` without ``NOCHECK``)
+  only when the owner enters MPI, so an owner busy computing delays every
+  other rank (3.0 s measured for a 3 s computation, for mpi4py's
+  ``util.sync.Mutex`` as well). ``MODE_NOCHECK`` is valid because this
+  window is only ever locked shared.
+- ``Win.Allocate`` lets MPI put the memory where its ranks on the same host
+  reach it directly. Owners on the caller's node are read and written
+  through that shared memory (``Win.Shared_query``, MPI-4) where the MPI
+  supports it for such windows (MPICH does; Open MPI 5 does not, and then
+  the same operations go through RMA, which it also does over shared
+  memory). Accumulates always go through ``MPI_Accumulate``, whose
+  element-wise atomicity holds among all accumulates to the window, from
+  whatever node.
+- Transfers go in chunks of at most ``chunk_bytes`` (4 MiB by default):
+  single multi-hundred-megabyte RMA operations stall on some MPIs.
+- Across nodes, an owner that runs no MPI calls still serves operations when
+  the network does RMA in hardware (InfiniBand, RoCE, Slingshot through UCX
+  or libfabric). Over plain TCP the owner's MPI library moves the data, so it
+  must make progress: with MPICH set ``MPIR_CVAR_ASYNC_PROGRESS=1``.
+- The lock and the version counter live in a small second window on
+  ``owners[0]``, driven the same way (``Compare_and_swap`` and
+  ``Fetch_and_op``). mpi4py's ``util.sync.Mutex`` and ``Counter`` are the
+  model, but they open a lock epoch per operation (see above), so they are
+  not used.
+
+Bad offsets, sizes, dtypes and use after :meth:`close` raise ``ValueError``,
+``TypeError`` or ``RuntimeError`` before any MPI call. Construction checks
+its arguments on every rank and agrees, so a bad value raises the same
+:class:`~hsgd.errors.InputError` everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .._engine.agree import agree, collective_error
+from .._engine.checks import check_int
+from .._engine.traffic import Traffic
+from ..errors import InputError, InputTypeError, InputValueError
+from ..topology import Topology
+
+__all__ = ["RemoteMemory", "DTYPES", "DEFAULT_CHUNK_BYTES"]
+
+#: The element types a region can hold (``MPI_Accumulate`` sums them natively).
+DTYPES = {
+    torch.float32: (np.float32, MPI.FLOAT),
+    torch.float64: (np.float64, MPI.DOUBLE),
+    torch.int32: (np.int32, MPI.INT32_T),
+    torch.int64: (np.int64, MPI.INT64_T),
+}
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+_VERSION, _LOCK = 0, 1  # int64 words of the control window on owners[0]
+_FREE = 0
+_BACKOFF_S = (20e-6, 2e-3)  # first and longest wait between tries for a held lock
+
+
+def _word(value: int) -> list:
+    """One int64 of the control window, as an mpi4py buffer spec."""
+    return [np.array([value], dtype=np.int64), MPI.INT64_T]
+
+
+def _check_args(comm, numel, dtype, owners, chunk_bytes) -> Tuple[int, ...]:
+    check_int("numel", numel, minimum=1)
+    if dtype not in DTYPES:
+        raise InputTypeError(f"dtype must be one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
+    check_int("chunk_bytes", chunk_bytes, minimum=torch.empty(0, dtype=dtype).element_size())
+    size = comm.Get_size()
+    if owners is None:
+        return ()
+    if isinstance(owners, (str, bytes)) or not isinstance(owners, Sequence):
+        raise InputTypeError(f"owners must be a sequence of ranks or None, got {type(owners).__name__}")
+    if not owners:
+        raise InputValueError("owners must name at least one rank (or be None: one owner per node)")
+    for rank in owners:
+        check_int("each of owners", rank, minimum=0)
+        if rank >= size:
+            raise InputValueError(f"owners holds rank {rank}, but the communicator has {size} ranks")
+    if len(set(owners)) != len(owners):
+        raise InputValueError(f"owners lists a rank twice: {list(owners)}")
+    return tuple(sorted(int(r) for r in owners))
+
+
+class RemoteMemory:
+    """A region of ``numel`` elements of ``dtype``, sharded over ``owners``. Collective.
+
+    Args:
+        comm: the ranks that use the region (an ``mpi4py`` intracommunicator).
+        numel: elements in the region.
+        dtype: ``torch.float32`` (default), ``float64``, ``int32`` or ``int64``.
+        owners: the ranks that hold the region's memory, in contiguous shards
+            of (nearly) equal size in rank order; default one per node, its
+            leader (nodes as :meth:`hsgd.Topology.from_comm` sees them).
+        chunk_bytes: the largest single RMA transfer.
+        topology: a :class:`~hsgd.Topology` over ``comm`` to take the nodes
+            from (default: built here and freed again).
+
+    The region starts zero-filled.
+    """
+
+    def __init__(self, comm, numel: int, dtype=torch.float32, owners: Optional[Sequence[int]] = None,
+                 *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, topology: Optional[Topology] = None):
+        self._closed = True
+        error = None
+        try:
+            owners = _check_args(comm, numel, dtype, owners, chunk_bytes)
+        except InputError as exc:
+            error = exc
+        agree(comm, error)
+        mine = (int(numel), str(dtype), owners, int(chunk_bytes))
+        if len(set(comm.allgather(mine))) > 1:
+            raise collective_error(InputValueError, "ranks were given different RemoteMemory arguments "
+                                   "(numel, dtype, owners, chunk_bytes); pass the same on every rank")
+        own_topology = topology is None
+        topo = Topology.from_comm(comm) if own_topology else topology
+        try:
+            node_ranks = set(topo.node_comm.allgather(comm.Get_rank()))
+            if not owners:
+                owners = tuple(sorted(r for r in comm.allgather(comm.Get_rank() if topo.is_leader else None)
+                                      if r is not None))
+        finally:
+            if own_topology:
+                topo.close()
+        self.comm, self.numel, self.dtype, self.owners = comm, int(numel), dtype, owners
+        self._np_dtype, self._mpi_type = DTYPES[dtype]
+        self.itemsize = np.dtype(self._np_dtype).itemsize
+        self._chunk = max(1, int(chunk_bytes) // self.itemsize)
+        base, extra = divmod(self.numel, len(owners))
+        bounds = np.cumsum([0] + [base + (i < extra) for i in range(len(owners))])
+        self._starts = bounds  # owners[i] holds elements [bounds[i], bounds[i + 1])
+        rank = comm.Get_rank()
+        self._local = {owner for owner in owners if owner in node_ranks}
+        self.traffic = Traffic()
+        shard = int(bounds[owners.index(rank) + 1] - bounds[owners.index(rank)]) if rank in owners else 0
+
+        info = MPI.Info.Create()
+        info.update({"accumulate_ordering": "none", "same_disp_unit": "true"})
+        self._win = MPI.Win.Allocate(shard * self.itemsize, self.itemsize, info, comm)
+        self._ctl = MPI.Win.Allocate(16 if rank == owners[0] else 0, 8, info, comm)
+        info.Free()
+        for win in (self._win, self._ctl):
+            win.Lock_all(MPI.MODE_NOCHECK)
+        # Zero the own shard (Win.Allocate does not), then make it visible to all.
+        if shard:
+            np.frombuffer(self._win.tomemory(), dtype=self._np_dtype)[:] = 0
+        if rank == owners[0]:
+            np.frombuffer(self._ctl.tomemory(), dtype=np.int64)[:] = 0
+        for win in (self._win, self._ctl):
+            win.Sync()
+        comm.Barrier()
+        self._direct = {owner: view for owner in self._local
+                        if (view := self._shared_view(owner)) is not None}
+        self._held = False
+        self._pending: Optional[Tuple[np.ndarray, List[int]]] = None
+        self._closed = False
+
+    def _shared_view(self, owner: int) -> Optional[np.ndarray]:
+        """``owner``'s shard as this process's memory, where the MPI maps it here."""
+        index = self.owners.index(owner)
+        count = int(self._starts[index + 1] - self._starts[index])
+        if owner == self.comm.Get_rank():
+            mem = self._win.tomemory()
+        else:
+            try:
+                mem, _ = self._win.Shared_query(owner)
+            except MPI.Exception:  # Open MPI 5: only for Allocate_shared windows
+                return None
+        if count == 0 or len(mem) < count * self.itemsize:
+            return None
+        return np.frombuffer(mem, dtype=self._np_dtype, count=count)
+
+    # --- checks, before any MPI call ----------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this RemoteMemory is closed; build a new one")
+
+    def _check_transfer(self, what: str, offset, tensor) -> int:
+        self._check_open()
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != self.dtype:
+            raise TypeError(f"{what}: the tensor is {tensor.dtype}, the region holds {self.dtype}; "
+                            f"convert it with .to({self.dtype})")
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+            raise TypeError(f"{what}: offset must be an int, got {type(offset).__name__}")
+        offset, count = int(offset), tensor.numel()
+        if offset < 0 or offset + count > self.numel:
+            raise ValueError(f"{what}: elements [{offset}, {offset + count}) are outside the region's "
+                             f"[0, {self.numel})")
+        return offset
+
+    # --- the pieces of a transfer ---------------------------------------------------------
+    def _pieces(self, offset: int, count: int) -> Iterator[Tuple[int, int, int, int]]:
+        """``(owner, first, stop, disp)``: elements [first, stop) of the transfer go to ``disp`` of ``owner``."""
+        index = int(np.searchsorted(self._starts, offset, side="right")) - 1
+        done = 0
+        while done < count:
+            start, stop = int(self._starts[index]), int(self._starts[index + 1])
+            take = min(count - done, stop - (offset + done))
+            if take > 0:
+                yield self.owners[index], done, done + take, offset + done - start
+                done += take
+            index += 1
+
+    def _count(self, owner: int, nelem: int) -> None:
+        nbytes = nelem * self.itemsize
+        if owner in self._local:
+            self.traffic.add_intra(nbytes)
+        else:
+            self.traffic.add_inter(nbytes)
+
+    def _rma(self, op: str, owner: int, buf: np.ndarray, disp: int, flush: bool = True) -> None:
+        for lo in range(0, len(buf), self._chunk):
+            part = buf[lo:lo + self._chunk]
+            spec, target = [part, self._mpi_type], (disp + lo, len(part), self._mpi_type)
+            if op == "put":
+                self._win.Put(spec, owner, target)
+            elif op == "get":
+                self._win.Get(spec, owner, target)
+            else:
+                self._win.Accumulate(spec, owner, target, MPI.SUM)
+            if flush:
+                self._win.Flush(owner)
+
+    def _bump_version(self) -> None:
+        one = _word(1)
+        self._ctl.Accumulate(one, self.owners[0], (_VERSION, 1, MPI.INT64_T), MPI.SUM)
+        self._ctl.Flush(self.owners[0])
+
+    # --- the operations ------------------------------------------------------------------------
+    def write(self, offset: int, tensor: torch.Tensor) -> None:
+        """Store ``tensor`` (flattened) into elements ``[offset, offset + tensor.numel())``.
+
+        When it returns the data is in the region. Not atomic against an
+        accumulate into the same elements at the same time (like ``MPI_Put``).
+        """
+        offset = self._check_transfer("write", offset, tensor)
+        src = tensor.detach().reshape(-1).cpu().contiguous().numpy()
+        for owner, first, stop, disp in self._pieces(offset, src.size):
+            view = self._direct.get(owner)
+            if view is not None:
+                view[disp:disp + stop - first] = src[first:stop]
+                self._win.Sync()
+            else:
+                self._rma("put", owner, src[first:stop], disp)
+            self._count(owner, stop - first)
+        self._bump_version()
+
+    def read(self, offset: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (any shape, this region's dtype) from elements ``[offset, offset + out.numel())``."""
+        offset = self._check_transfer("read", offset, out)
+        flat = out.detach().reshape(-1)
+        direct = out.device.type == "cpu" and flat.is_contiguous() and flat.data_ptr() == out.data_ptr()
+        dst = flat.numpy() if direct else np.empty(flat.numel(), dtype=self._np_dtype)
+        for owner, first, stop, disp in self._pieces(offset, dst.size):
+            view = self._direct.get(owner)
+            if view is not None:
+                self._win.Sync()
+                dst[first:stop] = view[disp:disp + stop - first]
+            else:
+                self._rma("get", owner, dst[first:stop], disp)
+            self._count(owner, stop - first)
+        if not direct:
+            out.copy_(torch.from_numpy(dst).view(out.shape))
+        return out
+
+    def accumulate(self, offset: int, tensor: torch.Tensor) -> None:
+        """Add ``tensor`` element-wise into ``[offset, offset + tensor.numel())``, atomically per element.
+
+        Concurrent accumulates from any ranks into the same elements lose no
+        update (``MPI_Accumulate`` with ``MPI_SUM``). When it returns the sum is in the region.
+        """
+        self.accumulate_start(offset, tensor)
+        self.accumulate_wait()
+
+    def accumulate_start(self, offset: int, tensor: torch.Tensor) -> None:
+        """Issue :meth:`accumulate` and return at once; :meth:`accumulate_wait` completes it.
+
+        ``tensor`` must not change until then (a CPU tensor is sent from its
+        own memory). One accumulate may be pending; starting another waits for it first.
+        """
+        offset = self._check_transfer("accumulate", offset, tensor)
+        self.accumulate_wait()
+        src = tensor.detach().reshape(-1).cpu().contiguous().numpy()
+        owners = []
+        for owner, first, stop, disp in self._pieces(offset, src.size):
+            self._rma("accumulate", owner, src[first:stop], disp, flush=False)
+            self._count(owner, stop - first)
+            owners.append(owner)
+        self._pending = (src, owners)
+
+    def accumulate_wait(self) -> None:
+        """Complete the pending :meth:`accumulate_start`, if any: its sum is in the region now."""
+        self._check_open()
+        if self._pending is None:
+            return
+        _, owners = self._pending
+        for owner in owners:
+            self._win.Flush(owner)
+        self._pending = None
+        self._bump_version()
+
+    @property
+    def version(self) -> int:
+        """How many writes and accumulates (by any rank) have completed so far."""
+        self._check_open()
+        zero, result = _word(0), _word(0)
+        self._ctl.Fetch_and_op(zero, result, self.owners[0], _VERSION, MPI.NO_OP)
+        self._ctl.Flush(self.owners[0])
+        return int(result[0][0])
+
+    # --- the lock ---------------------------------------------------------------------------------
+    @contextmanager
+    def lock(self):
+        """A mutex over the whole region, among all ranks of ``comm``.
+
+        Waits (polling with backoff, up to 2 ms between tries) while another
+        rank holds it. Not re-entrant: taking it twice on one rank raises
+        ``RuntimeError``. It excludes only other holders of this lock, not
+        plain :meth:`write`/:meth:`read`/:meth:`accumulate` calls.
+        """
+        self._acquire()
+        try:
+            yield self
+        finally:
+            self._release()
+
+    def _acquire(self) -> None:
+        self._check_open()
+        if self._held:
+            raise RuntimeError("this rank already holds the RemoteMemory lock (it is not re-entrant)")
+        me, free, result = _word(self.comm.Get_rank() + 1), _word(_FREE), _word(0)
+        wait, root = _BACKOFF_S[0], self.owners[0]
+        while True:
+            self._ctl.Compare_and_swap(me, free, result, root, _LOCK)
+            self._ctl.Flush(root)
+            if result[0][0] == _FREE:
+                break
+            time.sleep(wait)
+            wait = min(2 * wait, _BACKOFF_S[1])
+        self._held = True
+
+    def _release(self) -> None:
+        me, free, result = _word(self.comm.Get_rank() + 1), _word(_FREE), _word(0)
+        self._ctl.Compare_and_swap(free, me, result, self.owners[0], _LOCK)
+        self._ctl.Flush(self.owners[0])
+        self._held = False
+        if result[0][0] != me[0][0]:
+            raise RuntimeError(f"the RemoteMemory lock was not held by this rank (holder word {result[0][0]})")
+
+    # --- life cycle ---------------------------------------------------------------------------------
+    @property
+    def shards(self) -> List[Tuple[int, int, int]]:
+        """``(owner, first, stop)`` for every owner: it holds elements ``[first, stop)``."""
+        return [(owner, int(self._starts[i]), int(self._starts[i + 1])) for i, owner in enumerate(self.owners)]
+
+    @property
+    def direct_owners(self) -> List[int]:
+        """The owners this rank reaches by load and store (its node's, where the MPI allows)."""
+        return sorted(self._direct)
+
+    def close(self) -> None:
+        """Free the region. Collective; every operation completed on return. Idempotent."""
+        if self._closed:
+            return
+        self.accumulate_wait()
+        self._closed = True
+        self._direct.clear()
+        for win in (self._win, self._ctl):
+            win.Unlock_all()
+            win.Free()
+
+    def __enter__(self) -> RemoteMemory:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"owners={list(self.owners)}"
+        return f"RemoteMemory(numel={self.numel}, dtype={self.dtype}, {state})"
