@@ -9,14 +9,15 @@ Example::
 
     >>> from hsgd.modes import SYNC_MODES
     >>> sorted(SYNC_MODES)
-    ['local', 'sync']
+    ['async', 'elastic', 'local', 'sync']
 """
 
 from __future__ import annotations
 
 from ._engine.mode import SyncMode
 from .hierarchical import HierarchicalLocalSGD, HierarchicalSGD
+from .remote import AsyncSGD, ElasticSGD
 
 __all__ = ["SYNC_MODES", "SyncMode"]
 
-SYNC_MODES = {cls.name: cls for cls in (HierarchicalSGD, HierarchicalLocalSGD)}
+SYNC_MODES = {cls.name: cls for cls in (HierarchicalSGD, HierarchicalLocalSGD, ElasticSGD, AsyncSGD)}

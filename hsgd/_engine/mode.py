@@ -19,7 +19,11 @@ A subclass sets ``name`` (its ``--sync`` choice in the trainer),
 ``bind``, ``replicas_differ`` (whether ranks' models differ between
 averagings, so that evaluation and checkpoints must average them) and
 ``config_fields`` (the trainer's config fields it takes), and implements
-``_check`` and ``_step``. Nothing outside a mode branches on its name.
+``_check`` and ``_step``. A family with another engine than the shared
+window (the parameter box of :mod:`hsgd.remote`) overrides ``_build`` and
+``_teardown``, and ``shared_state_dict`` / ``load_shared_state_dict`` (the
+model the trainer evaluates, saves and resumes). Nothing outside a mode
+branches on its name.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import ClassVar, Dict, Tuple
 
 import torch
 
-from ..broadcast import broadcast_optimizer_state, broadcast_parameters, check_same_model
+from ..broadcast import averaged_state_dict, broadcast_optimizer_state, broadcast_parameters, check_same_model
 from ..errors import InputError, InputTypeError, InputValueError
 from ..inter_node import STRATEGIES
 from ..intra_node import Layout
@@ -176,6 +180,27 @@ class SyncMode:
         self._check_open()
         broadcast_optimizer_state(self.optimizer, self.topology.comm, root)
         self.num_steps = self.topology.comm.bcast(self.num_steps, root=root)
+
+    @property
+    def on_phase(self):
+        """``None`` or ``fn(name, start, end)``, called with the time of each communication phase."""
+        return self.averager.on_phase
+
+    @on_phase.setter
+    def on_phase(self, fn) -> None:
+        self.averager.on_phase = fn
+
+    def shared_state_dict(self) -> dict:
+        """The model worth evaluating and saving, on the CPU, the same on every rank. Collective.
+
+        The ranks' average (:func:`~hsgd.broadcast.averaged_state_dict`): the
+        replicas themselves in synchronous SGD, their consensus in local SGD.
+        """
+        return averaged_state_dict(self.model, self.topology.comm)
+
+    def load_shared_state_dict(self, state_dict: dict) -> None:
+        """After the model was loaded from a checkpoint, set any state the mode keeps besides
+        the replicas from ``state_dict`` (what :meth:`shared_state_dict` returned). Collective."""
 
     @property
     def traffic(self) -> Dict[str, int]:

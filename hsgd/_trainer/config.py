@@ -72,9 +72,13 @@ class TrainConfig:
     # --- synchronization ---
     sync: str = _opt("sync", "synchronization mode: sync (synchronous SGD, gradients averaged "
                              "every step) | local (hierarchical local SGD, parameters averaged "
-                             "every --intra-period steps in the node)", choices=list(SYNC_MODES))
+                             "every --intra-period steps in the node) | elastic (SEASGD against "
+                             "global weights in remote memory) | async (asynchronous SGD against "
+                             "them)", choices=list(SYNC_MODES))
     intra_period: int = _opt(1, "parameter averaging inside a node every N steps (--sync local)")
     inter_period: int = _opt(1, "... and across nodes every intra_period * N steps")
+    alpha: float = _opt(0.2, "elastic moving rate in [0, 1] (--sync elastic)")
+    tau: int = _opt(1, "steps between elastic rounds (--sync elastic)")
     inter_node: str = _opt("leader", "leader | sharded inter-node allreduce", choices=list(STRATEGIES))
     ranks_per_node: Optional[int] = _opt(None, "virtual node size (env HSGD_RANKS_PER_NODE); default: physical nodes")
     # --- output ---
@@ -96,7 +100,7 @@ class TrainConfig:
         """The first problem with this config, as an instruction; ``None`` if fine."""
         positive = {"lr": self.lr, "epochs": self.epochs, "batch_size": self.batch_size,
                     "log_every": self.log_every, "base_batch": self.base_batch,
-                    "intra_period": self.intra_period, "inter_period": self.inter_period,
+                    "intra_period": self.intra_period, "inter_period": self.inter_period, "tau": self.tau,
                     "mnist1d_samples": self.mnist1d_samples, "power": self.power}
         for name, value in positive.items():
             if not value > 0:
@@ -106,6 +110,8 @@ class TrainConfig:
                 return f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
         if not 0 <= self.momentum < 1:
             return f"--momentum must be in [0, 1) (0.9 is usual, 0 disables it), got {self.momentum}"
+        if not 0 <= self.alpha <= 1:
+            return f"--alpha must be in [0, 1] (SEASGD uses 0.1 to 0.5), got {self.alpha}"
         if self.nesterov and self.momentum == 0 and self.optimizer in ("sgd", "lars"):
             return "--nesterov needs --momentum > 0 (e.g. --momentum 0.9); or drop --nesterov"
         if not self.trust_coefficient > 0:

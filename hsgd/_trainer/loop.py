@@ -48,7 +48,7 @@ class Trainer:
         if cfg.resume:
             self._resume()
         self.clock = PhaseClock(self.topo.rank, trace=cfg.timeline is not None)
-        self.opt.averager.on_phase = self.clock.record
+        self.opt.on_phase = self.clock.record
         self.log = _open_log(self.run_dir, self.comm, cfg.tensorboard)
         self.stopper = stopper
         self.progress = Progress(cfg.progress, self.is_main, len(self.train_loader))
@@ -133,7 +133,7 @@ class Trainer:
     def _end_epoch(self, totals, train_seconds: float, times: Counter) -> None:
         with self.clock.phase("eval"):
             test_loss, test_acc = evaluate(self.model, self.test_loader, self.comm, self.device,
-                                           replicas_differ=self.opt.replicas_differ)
+                                           shared=self.opt.shared_state_dict if self.opt.replicas_differ else None)
         times.update(self.clock.take())
         self.best = max(self.best, test_acc)
         seen = max(totals[2].item(), 1.0)  # 0 when resumed exactly at the epoch's end

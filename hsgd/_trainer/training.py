@@ -18,7 +18,7 @@ import torch
 from mpi4py import MPI
 
 from .._engine.agree import check_all, on_root
-from ..broadcast import average_buffers, averaged_state_dict
+from ..broadcast import average_buffers
 from ..data import ensure_mnist1d
 from ..errors import InputValueError
 from ..lars import LARS
@@ -97,18 +97,19 @@ def make_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
 
 
 @torch.no_grad()
-def evaluate(model, loader: ContiguousH5Loader, comm, device, replicas_differ: bool = False):
+def evaluate(model, loader: ContiguousH5Loader, comm, device, shared=None):
     """Mean loss and top-1 accuracy over the whole split, each sample counted once.
 
-    With ``replicas_differ`` (local SGD between averaging steps) the score is
-    that of the model averaged over ranks, the one a checkpoint holds; each
-    rank's own replica is put back afterwards.
+    ``shared``: for a mode whose replicas differ (local SGD between averaging
+    steps, the parameter box), its ``shared_state_dict``; the score is that
+    of this model, the one a checkpoint holds, and each rank's own replica is
+    put back afterwards. Collective.
     """
-    if not replicas_differ:
+    if shared is None:
         average_buffers(model, comm)
         return _score(model, loader, comm, device)
     own = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    model.load_state_dict(averaged_state_dict(model, comm))
+    model.load_state_dict(shared())
     try:
         return _score(model, loader, comm, device)
     finally:
@@ -178,13 +179,14 @@ def resume_state(cfg: TrainConfig, checkpoint_dir: Path, model, comm) -> Optiona
 def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, best, comm) -> dict:
     """Everything a resumed run needs; collective, rank 0 gets the full dict.
 
-    ``model`` is the average over ranks (the replicas are identical in
-    synchronous SGD; in local SGD this is the model worth keeping). With
-    a mode whose replicas differ (local SGD) each rank's own replica and optimizer state are
-    kept too, so that a resumed run continues exactly.
+    ``model`` is the mode's ``shared_state_dict()``: the average over ranks
+    (the replicas are identical in synchronous SGD; in local SGD this is the
+    model worth keeping), or the global weights ``W_g`` of the parameter box.
+    With a mode whose replicas differ each rank's own replica and optimizer
+    state are kept too, so that a resumed run continues exactly.
     """
     rng = comm.gather(torch.get_rng_state(), root=0)
-    state = {"model": averaged_state_dict(model, comm), "optimizer": opt.state_dict(),
+    state = {"model": opt.shared_state_dict(), "optimizer": opt.state_dict(),
              "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
              "rng": rng, "step": step, "epoch": epoch, "best_test_acc": best,
              "config": asdict(cfg), "world_size": comm.Get_size()}
@@ -210,4 +212,5 @@ def restore(state: dict, model, opt, scheduler, loader, comm) -> Tuple[int, int,
         loader.set_epoch(int(state["epoch"]))
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])
+    opt.load_shared_state_dict(state["model"])
     return int(state["step"]), int(state["epoch"]), float(state.get("best_test_acc", 0.0))

@@ -35,8 +35,9 @@ Example::
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 import torch
@@ -81,6 +82,7 @@ class BoxMode(SyncMode):
                                    f"in one of float32 or float64, got {sorted(map(str, dtypes))}")
         dtype = dtypes.pop()
         assert dtype in DTYPES
+        self._on_phase = None
         self._slot = _FlatSlot(params, dtype)
         self._binding = SlotBinding(self._slot, params, "data")  # copies the values in, binds views
         self.local = self._slot.buffer  # W_x
@@ -105,27 +107,62 @@ class BoxMode(SyncMode):
     def global_parameters(self) -> List[torch.Tensor]:
         """A fresh read of ``W_g``, as tensors shaped (and placed) like ``model.parameters()``."""
         self._check_open()
+        self._finish_round()
         flat = self.box.read(0, torch.empty_like(self.local))
         return [flat[off:off + p.numel()].view(p.shape).to(p.device, copy=True)
                 for p, (_, off) in zip(self._binding.params, self._slot.layout.places)]
 
-    def load_global_parameters(self, tensors) -> None:
-        """Set ``W_g`` and this rank's parameters to ``tensors`` (say, from a checkpoint). Collective."""
+    def load_global_parameters(self, tensors, replicas: bool = True) -> None:
+        """Set ``W_g`` (and with ``replicas`` this rank's parameters) to ``tensors``. Collective."""
         self._check_open()
         tensors = list(tensors)
         params = self._binding.params
         if len(tensors) != len(params) or any(t.shape != p.shape for t, p in zip(tensors, params)):
             raise InputValueError("load_global_parameters: expected one tensor per trainable parameter, "
                                   "shaped like it, in the order of model.parameters()")
-        with torch.no_grad():
-            for p, t in zip(params, tensors):
-                p.data.copy_(t)
-        self._binding.gather()
+        self._finish_round()
         comm = self.topology.comm
         comm.Barrier()  # nobody reads or accumulates the old W_g any more
         if self.topology.rank == 0:
-            self.box.write(0, self.local)
+            self.box.write(0, torch.cat([t.detach().reshape(-1).to("cpu", self.local.dtype) for t in tensors]))
+        if replicas:
+            with torch.no_grad():
+                for p, t in zip(params, tensors):
+                    p.data.copy_(t)
+            self._binding.gather()
         comm.Barrier()
+
+    def _finish_round(self) -> None:
+        """Complete this rank's pending accumulate into ``W_g``, if any."""
+        self.box.accumulate_wait()
+
+    def _trained_names(self) -> List[str]:
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def shared_state_dict(self) -> dict:
+        """The model with ``W_g`` as its parameters (buffers averaged over ranks). Collective."""
+        state = super().shared_state_dict()
+        for name, value in zip(self._trained_names(), self.global_parameters()):
+            state[name] = value.to("cpu")
+        return state
+
+    def load_shared_state_dict(self, state_dict: dict) -> None:
+        """Set ``W_g`` from a checkpoint's model; each rank's replica stays as loaded. Collective."""
+        self.load_global_parameters([state_dict[name] for name in self._trained_names()], replicas=False)
+
+    @property
+    def on_phase(self):
+        return self._on_phase
+
+    @on_phase.setter
+    def on_phase(self, fn) -> None:
+        self._on_phase = fn
+
+    def _timed(self, start: float) -> None:
+        """Report the time since ``start`` as ``"intra"`` (every owner on this node) or ``"inter"``."""
+        if self._on_phase is not None:
+            phase = "intra" if len(self.box.node_owners) == len(self.box.owners) else "inter"
+            self._on_phase(phase, start, time.perf_counter())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.optimizer).__name__}, {self.box})"
@@ -145,7 +182,6 @@ class ElasticSGD(BoxMode):
 
     def __init__(self, optimizer, model, *, topology=None, alpha=0.2, tau=1, broadcast=True):
         self.alpha, self.tau = alpha, tau
-        self._pending: Optional[torch.Tensor] = None
         super().__init__(optimizer, model, topology=topology, broadcast=broadcast,
                          settings={"alpha": alpha, "tau": tau})
 
@@ -158,24 +194,15 @@ class ElasticSGD(BoxMode):
         self.optimizer.step()
         if (self.num_steps + 1) % self.tau:
             return
+        start = time.perf_counter()
         self._binding.gather()  # staged (non-CPU) parameters into W_x
         self._finish_round()
         global_w = self.box.read(0, torch.empty_like(self.local))
         delta = global_w.sub_(self.local).mul_(-self.alpha)  # alpha * (W_x - W_g), in place of the copy
         self.local.sub_(delta)
-        self._pending = delta
-        self.box.accumulate_start(0, delta)
+        self.box.accumulate_start(0, delta)  # delta stays untouched until the next round completes it
         self._binding.scatter()
-
-    def _finish_round(self) -> None:
-        if self._pending is not None:
-            self.box.accumulate_wait()
-            self._pending = None
-
-    def global_parameters(self) -> List[torch.Tensor]:
-        self._check_open()
-        self._finish_round()
-        return super().global_parameters()
+        self._timed(start)
 
     def _teardown(self) -> None:
         self._finish_round()
@@ -194,17 +221,18 @@ class AsyncSGD(BoxMode):
     config_fields = ()
 
     def __init__(self, optimizer, model, *, topology=None, broadcast=True):
-        self._before: Optional[torch.Tensor] = None
         super().__init__(optimizer, model, topology=topology, broadcast=broadcast, settings={})
 
     def _step(self) -> None:
         self._binding.gather()
         before = self.local.clone()
         self.optimizer.step()
+        start = time.perf_counter()
         self._binding.gather()
         self.box.accumulate(0, self.local - before)
         self.box.read(0, self.local)
         self._binding.scatter()
+        self._timed(start)
 
     def _teardown(self) -> None:
         self.topology.comm.Barrier()  # every rank's last change is in W_g before anyone frees it

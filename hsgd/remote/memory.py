@@ -391,6 +391,11 @@ class RemoteMemory:
         return [(owner, int(self._starts[i]), int(self._starts[i + 1])) for i, owner in enumerate(self.owners)]
 
     @property
+    def node_owners(self) -> List[int]:
+        """The owners on this rank's node (their bytes count as ``intra_bytes``)."""
+        return sorted(self._local)
+
+    @property
     def direct_owners(self) -> List[int]:
         """The owners this rank reaches by load and store (its node's, where the MPI allows)."""
         return sorted(self._direct)

@@ -10,14 +10,10 @@ Every multi-rank test starts its job through :func:`run_mpi` (or
 - a hang fails the test after ``timeout`` seconds, showing both stdout and
   stderr (the failing rank usually reports on stderr);
 - the job's temporary files go to a private ``TMPDIR`` that is removed
-  afterwards, and shared-memory segments that the job left in ``/dev/shm``
-  are removed too. A job that *succeeded* and still left something fails the
-  test: a clean run must leave nothing behind.
-
-A segment in ``/dev/shm`` counts as left behind when the job's processes
-(the launcher and everything below it) were seen mapping it while it ran and no live process maps it
-any more, so what other programs on the host leave or use at the same time is
-never blamed on the job, nor removed.
+  afterwards, and what MPI left in ``/dev/shm`` and Hydra in ``/tmp`` is
+  removed too (:mod:`leftovers`: new since the job started, an MPI
+  transport's name, used by no live process). A job that *succeeded* and
+  still left something fails the test: a clean run must leave nothing behind.
 """
 
 from __future__ import annotations
@@ -28,21 +24,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import pytest
+from leftovers import leftovers, remove, snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = int(os.environ.get("HSGD_MPI_TEST_TIMEOUT", "420"))
-SHM = Path("/dev/shm")
 # torch's own per-user compile cache (made in TMPDIR by the first optimizer step):
 # meant to outlive the job, so not counted as left behind (but removed with the rest).
 TORCH_CACHE = "torchinductor_"
 
 __all__ = ["ROOT", "TIMEOUT_S", "mpiexec", "mpi_flavour", "mpi_command", "mpi_env",
-           "run_mpi", "shm_names", "leaked_shm", "remove_leftovers"]
+           "run_mpi", "snapshot", "remove_leftovers"]
 
 
 def mpiexec() -> str:
@@ -83,13 +78,6 @@ def mpi_env(env: Optional[Dict[str, str]] = None, tmpdir: Optional[str] = None) 
     return full
 
 
-def shm_names() -> set:
-    try:
-        return {p.name for p in SHM.iterdir()}
-    except OSError:
-        return set()
-
-
 def _descendants(root: int) -> List[int]:
     """PIDs of ``root`` and every process below it (MPICH's ranks call setsid, so their
     session and process group are their own: only parentage finds them)."""
@@ -108,56 +96,11 @@ def _descendants(root: int) -> List[int]:
     return found
 
 
-def _hydra_files(pids: List[int]) -> set:
-    """The hwloc topology files that MPICH's Hydra processes among ``pids`` hold open.
-
-    Hydra writes one to a fixed ``/tmp/hydra_hwloc_xmlfile_*`` path, whatever
-    ``TMPDIR`` says, and leaves it there when the job calls ``MPI_Abort``.
-    """
-    files = set()
-    for pid in pids:
-        try:
-            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
-        except OSError:
-            continue  # ended meanwhile
-        files.update(link for link in links if link.startswith("/tmp/hydra_hwloc_xmlfile_"))
-    return files
-
-
-def _mapped_shm(pids: Optional[List[int]] = None) -> set:
-    """Names of /dev/shm files mapped by live processes (by ``pids`` only, if given)."""
-    names = set()
-    dirs = Path("/proc").glob("[0-9]*") if pids is None else (Path(f"/proc/{pid}") for pid in pids)
-    for proc_dir in dirs:
-        try:
-            text = (proc_dir / "maps").read_text()
-        except OSError:
-            continue  # the process ended, or is not ours to read
-        names.update(line.rsplit("/dev/shm/", 1)[1].split(" ")[0]
-                     for line in text.splitlines() if "/dev/shm/" in line)
-    return names
-
-
-def leaked_shm(before: set, ours: Optional[set] = None) -> List[str]:
-    """Segments new since ``before`` that no live process maps: left behind by a job.
-
-    ``ours``: the segments the job's processes were seen mapping; only those
-    count, so that what other programs on the host leave at the same time is
-    not blamed on this job (nor removed).
-    """
-    new = shm_names() - before
-    if ours is not None:
-        new &= ours
-    return sorted(new - _mapped_shm()) if new else []
-
-
-def remove_leftovers(before: set, tmpdir: Optional[str], ours: Optional[set] = None,
-                     files: Iterable[str] = ()) -> List[str]:
-    """Remove what a finished job left (see :func:`leaked_shm`, ``tmpdir``, ``files``); return it."""
-    left = [f"/dev/shm/{name}" for name in leaked_shm(before, ours)]
-    left += [path for path in sorted(files) if os.path.exists(path)]
-    for path in left:
-        Path(path).unlink(missing_ok=True)
+def remove_leftovers(before: set, tmpdir: Optional[str]) -> List[str]:
+    """Remove what a finished job left (MPI segments and Hydra files new since ``before``,
+    a :func:`leftovers.snapshot`, that no live process uses; ``tmpdir``); return it."""
+    left = leftovers(before, mpi_only=True)
+    remove(left)
     if tmpdir is not None and os.path.isdir(tmpdir):
         left += [str(p) for p in sorted(Path(tmpdir).iterdir()) if not p.name.startswith(TORCH_CACHE)]
         shutil.rmtree(tmpdir, ignore_errors=True)
@@ -177,32 +120,21 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = TIMEOUT_S,
             env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` on ``nprocs`` ranks; fail on a hang or on leftovers of a clean run."""
     cmd = mpi_command(nprocs, args)
-    before = shm_names()
+    before = snapshot()
     tmpdir = tempfile.mkdtemp(prefix="hsgd-job-")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(env, tmpdir), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    ours: set = set()  # segments the job's processes were seen mapping
-    hydra: set = set()  # Hydra's hwloc files for this job (in /tmp, see _hydra_files)
-    deadline = time.monotonic() + timeout
     try:
-        while True:
-            try:
-                out, err = proc.communicate(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
-                break
-            except subprocess.TimeoutExpired:  # no output is lost: communicate() keeps it
-                pids = _descendants(proc.pid)
-                ours |= _mapped_shm(pids)
-                hydra |= _hydra_files(pids)
-                if time.monotonic() < deadline:
-                    continue
-            _kill_job(proc)
-            out, err = proc.communicate()
-            remove_leftovers(before, tmpdir, ours, hydra)
-            pytest.fail(f"{' '.join(cmd)} hung for more than {timeout} s\n"
-                        f"--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}")
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_job(proc)
+        out, err = proc.communicate()
+        remove_leftovers(before, tmpdir)
+        pytest.fail(f"{' '.join(cmd)} hung for more than {timeout} s\n"
+                    f"--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}")
     finally:
         _kill_job(proc)  # stray ranks of a launcher that died
-    left = remove_leftovers(before, tmpdir, ours, hydra)
+    left = remove_leftovers(before, tmpdir)
     if proc.returncode == 0 and left:
         pytest.fail(f"{' '.join(cmd)} succeeded but left files behind (now removed): {left}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

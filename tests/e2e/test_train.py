@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from mpirun import ROOT, mpi_command, mpi_env, remove_leftovers, run_mpi, shm_names
+from mpirun import ROOT, mpi_command, mpi_env, remove_leftovers, run_mpi, snapshot
 
 SMALL = ["--mnist1d-samples", "2000", "--epochs", "2", "--batch-size", "64", "--progress", "lines"]
 
@@ -99,11 +99,33 @@ def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, extra, stop_at)
     assert all(e["train_loss"] == e["train_loss"] and e["train_loss"] > 0 for e in epochs)  # no NaN
 
 
+@pytest.mark.parametrize("mode", [["--sync", "elastic", "--alpha", "0.3"], ["--sync", "async"]])
+def test_parameter_box_run_stops_and_resumes_from_w_g(tmp_path, cache, mode):
+    """The box modes train, checkpoint W_g, and resume from it (ranks interleave freely:
+    no bit-identical end, but the resumed run starts from the checkpoint and finishes)."""
+    run = tmp_path / "run"
+    common = [*SMALL, "--ranks-per-node", "1", *mode,
+              "--run-dir", str(run)]
+    first = train(2, [*common, "--stop-after", "20"], cache)
+    assert first.returncode == 0, first.stderr
+    stopped = final_model(run / "checkpoints")
+    second = train(2, [*common, "--resume"], cache)
+    assert second.returncode == 0, second.stderr
+    assert "resuming from" in second.stderr and "(step 20)" in second.stderr
+    epochs = records(run, "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    assert epochs[-1]["test_acc"] > 0.15  # 10 classes: chance is 0.1
+    # two virtual nodes, one owner each: half of W_g is on the other node
+    assert epochs[-1]["inter_bytes"] > 0 and epochs[-1]["intra_bytes"] > 0
+    final = final_model(run / "checkpoints")
+    assert any(not torch.equal(stopped[k], final[k]) for k in final)  # it trained on from there
+
+
 def test_signal_checkpoints_and_exits_for_requeue(tmp_path, cache):
     run = tmp_path / "run"
     cmd = mpi_command(2, ["-m", "hsgd.train", "--cache-dir", cache, *SMALL, "--epochs", "50",
                           "--log-every", "5", "--run-dir", str(run)])
-    shm_before, tmpdir = shm_names(), str(tmp_path / "tmp")
+    shm_before, tmpdir = snapshot(), str(tmp_path / "tmp")
     os.mkdir(tmpdir)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=mpi_env(tmpdir=tmpdir))

@@ -1,4 +1,8 @@
-"""The parameter box under mpiexec: ElasticSGD and AsyncSGD against W_g in remote memory."""
+"""The parameter box under mpiexec: ElasticSGD and AsyncSGD against W_g in remote memory.
+
+No ``try/finally: opt.close()``: close is collective, so after a failed
+assertion on one rank it would hang; the conftest aborts the job instead.
+"""
 
 import pytest
 import torch
@@ -27,44 +31,40 @@ def test_elastic_round_conserves_the_sum(comm, alpha):
     rank = comm.Get_rank()
     model = linear()
     opt = ElasticSGD(torch.optim.SGD(model.parameters(), lr=0.0), model, alpha=alpha, tau=1)
-    try:
-        w_g0 = flat(opt.global_parameters())  # rank 0's initial parameters
-        fill(model, 10.0 * (rank + 1))  # W_x differs from W_g and between ranks
-        w_x0 = flat(p.detach() for p in model.parameters())
-        total0 = w_g0 + comm.allreduce(w_x0)
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        opt.step()  # lr 0: the inner step changes nothing; the round does
-        opt.global_parameters()  # completes this rank's accumulate
-        comm.Barrier()
-        w_g = flat(opt.global_parameters())
-        w_x = flat(p.detach() for p in model.parameters())
-        assert torch.allclose(w_g + comm.allreduce(w_x), total0, rtol=0, atol=1e-9)
-        if alpha == 0:
-            assert torch.equal(w_g, w_g0) and torch.equal(w_x, w_x0)
-        else:
-            assert not torch.equal(w_x, w_x0)  # pulled towards W_g
-        comm.Barrier()
-    finally:
-        opt.close()
+    w_g0 = flat(opt.global_parameters())  # rank 0's initial parameters
+    fill(model, 10.0 * (rank + 1))  # W_x differs from W_g and between ranks
+    w_x0 = flat(p.detach() for p in model.parameters())
+    total0 = w_g0 + comm.allreduce(w_x0)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # lr 0: the inner step changes nothing; the round does
+    opt.global_parameters()  # completes this rank's accumulate
+    comm.Barrier()
+    w_g = flat(opt.global_parameters())
+    w_x = flat(p.detach() for p in model.parameters())
+    assert torch.allclose(w_g + comm.allreduce(w_x), total0, rtol=0, atol=1e-9)
+    if alpha == 0:
+        assert torch.equal(w_g, w_g0) and torch.equal(w_x, w_x0)
+    else:
+        assert not torch.equal(w_x, w_x0)  # pulled towards W_g
+    comm.Barrier()
+    opt.close()
 
 
 def test_elastic_tau_spaces_the_rounds(comm):
     model = linear()
     opt = ElasticSGD(torch.optim.SGD(model.parameters(), lr=0.0), model, alpha=0.5, tau=3)
-    try:
-        fill(model, 5.0 + comm.Get_rank())
-        before = flat(p.detach().clone() for p in model.parameters())
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.step()
-        assert torch.equal(flat(p.detach() for p in model.parameters()), before)  # no round yet
-        opt.step()  # the third step has one
-        assert not torch.equal(flat(p.detach() for p in model.parameters()), before)
-        comm.Barrier()
-    finally:
-        opt.close()
+    fill(model, 5.0 + comm.Get_rank())
+    before = flat(p.detach().clone() for p in model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.step()
+    assert torch.equal(flat(p.detach() for p in model.parameters()), before)  # no round yet
+    opt.step()  # the third step has one
+    assert not torch.equal(flat(p.detach() for p in model.parameters()), before)
+    comm.Barrier()
+    opt.close()
 
 
 def test_async_step_adds_every_change_to_w_g(comm):
@@ -73,22 +73,20 @@ def test_async_step_adds_every_change_to_w_g(comm):
     model = linear()
     lr, steps = 0.5, 3
     opt = AsyncSGD(torch.optim.SGD(model.parameters(), lr=lr), model)
-    try:
-        w_g0 = flat(opt.global_parameters())
-        comm.Barrier()
-        for _ in range(steps):
-            for p in model.parameters():
-                p.grad = torch.full_like(p, float(rank + 1))
-            opt.step()
-        comm.Barrier()
-        w_g = flat(opt.global_parameters())
-        expect = w_g0 - lr * steps * size * (size + 1) / 2
-        assert torch.allclose(w_g, expect, rtol=0, atol=1e-9)
-        # every rank continued from W_g after its last step: equal to W_g as it was then
-        assert opt.traffic["intra_bytes"] + opt.traffic["inter_bytes"] > 0
-        comm.Barrier()
-    finally:
-        opt.close()
+    w_g0 = flat(opt.global_parameters())
+    comm.Barrier()
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float(rank + 1))
+        opt.step()
+    comm.Barrier()
+    w_g = flat(opt.global_parameters())
+    expect = w_g0 - lr * steps * size * (size + 1) / 2
+    assert torch.allclose(w_g, expect, rtol=0, atol=1e-9)
+    # every rank continued from W_g after its last step: equal to W_g as it was then
+    assert opt.traffic["intra_bytes"] + opt.traffic["inter_bytes"] > 0
+    comm.Barrier()
+    opt.close()
 
 
 def regression_data(rank, size, n_per_rank=256, noise=0.05):
@@ -107,39 +105,57 @@ def test_linear_regression_converges_to_the_noise_floor(comm, cls, kwargs):
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 3)
     opt = cls(torch.optim.SGD(model.parameters(), lr=0.05), model, **kwargs)
-    try:
-        gen = torch.Generator().manual_seed(rank)
-        for _ in range(400):
-            idx = torch.randint(0, len(x), (16,), generator=gen)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
-            opt.step()
-        comm.Barrier()
-        weight, bias = opt.global_parameters()
-        mse = torch.nn.functional.mse_loss(x_all @ weight.T + bias, y_all).item()
-        assert mse <= 1.5 * noise ** 2, (mse, noise ** 2)
-        comm.Barrier()
-    finally:
-        opt.close()
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(400):
+        idx = torch.randint(0, len(x), (16,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+    comm.Barrier()
+    weight, bias = opt.global_parameters()
+    mse = torch.nn.functional.mse_loss(x_all @ weight.T + bias, y_all).item()
+    assert mse <= 1.5 * noise ** 2, (mse, noise ** 2)
+    comm.Barrier()
+    opt.close()
 
 
 def test_load_global_parameters_sets_w_g_and_the_replicas(comm):
     model = linear()
     opt = AsyncSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
-    try:
-        target = [torch.full_like(p, 7.0) for p in model.parameters()]
-        opt.load_global_parameters(target)
-        assert all(torch.equal(a, b) for a, b in zip(opt.global_parameters(), target))
-        assert all(torch.equal(p.detach(), t) for p, t in zip(model.parameters(), target))
-        with pytest.raises(InputValueError, match="one tensor per trainable parameter"):
-            opt.load_global_parameters(target[:1])
-        comm.Barrier()
-    finally:
-        opt.close()
+    target = [torch.full_like(p, 7.0) for p in model.parameters()]
+    opt.load_global_parameters(target)
+    assert all(torch.equal(a, b) for a, b in zip(opt.global_parameters(), target))
+    assert all(torch.equal(p.detach(), t) for p, t in zip(model.parameters(), target))
+    with pytest.raises(InputValueError, match="one tensor per trainable parameter"):
+        opt.load_global_parameters(target[:1])
+    comm.Barrier()
+    opt.close()
     # after close the parameters own their memory again and keep their values
     assert all(torch.equal(p.detach(), t) for p, t in zip(model.parameters(), target))
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
+
+
+@pytest.mark.parametrize("cls", [ElasticSGD, AsyncSGD])
+def test_shared_state_dict_round_trip_restores_w_g(comm, cls):
+    """What a checkpoint holds (W_g as the model's parameters) is what a resume puts back."""
+    rank = comm.Get_rank()
+    model = linear()
+    opt = cls(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    saved = opt.shared_state_dict()
+    assert set(saved) == set(model.state_dict())
+    assert all(torch.equal(saved[k], v) for k, v in
+               zip(("weight", "bias"), opt.global_parameters()))
+    comm.Barrier()  # every rank has read W_g before it moves on
+    opt.box.accumulate(0, torch.ones(opt.box.numel, dtype=torch.float64))  # W_g moves on
+    fill(model, float(rank))
+    replica = flat(p.detach().clone() for p in model.parameters())
+    comm.Barrier()
+    opt.load_shared_state_dict(saved)
+    assert torch.equal(flat(opt.global_parameters()), flat([saved["weight"], saved["bias"]]))
+    assert torch.equal(flat(p.detach() for p in model.parameters()), replica)  # replicas kept
+    comm.Barrier()
+    opt.close()
 
 
 @pytest.mark.parametrize("kwargs,error,text", [
