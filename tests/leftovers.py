@@ -69,16 +69,18 @@ def leftovers(before: Set[str], mpi_only: bool = False, grace_s: float = 0.0) ->
     """Files new since ``before`` that no live process uses (see the module doc).
 
     ``mpi_only``: only names of MPI transports (:data:`MPI_SEGMENTS`), so that
-    another program's files are not blamed on a job. ``grace_s``: wait up to
-    this long for them to go (a launcher may still be removing its files).
+    another program's files are not blamed on a job. ``grace_s``: while new
+    files remain, wait up to this long for them to go or to be released (the
+    ranks of an aborted job may still be dying, a launcher may still be
+    removing its files); then return the ones no process uses.
     """
     deadline = time.monotonic() + grace_s
     while True:
         new = {p for p in snapshot() - before
                if not mpi_only or os.path.basename(p).startswith(MPI_SEGMENTS)}
-        left = new - in_use(new)
-        if not left or time.monotonic() >= deadline:
-            return sorted(left)
+        used = in_use(new)
+        if not new or time.monotonic() >= deadline:
+            return sorted(new - used)
         time.sleep(0.2)
 
 

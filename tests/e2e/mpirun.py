@@ -35,6 +35,8 @@ TIMEOUT_S = int(os.environ.get("HSGD_MPI_TEST_TIMEOUT", "420"))
 # torch's own per-user compile cache (made in TMPDIR by the first optimizer step):
 # meant to outlive the job, so not counted as left behind (but removed with the rest).
 TORCH_CACHE = "torchinductor_"
+# After a job: how long the ranks of an aborted job may take to die and let go of their segments.
+GRACE_S = 10.0
 
 __all__ = ["ROOT", "TIMEOUT_S", "mpiexec", "mpi_flavour", "mpi_command", "mpi_env",
            "run_mpi", "snapshot", "remove_leftovers"]
@@ -99,7 +101,7 @@ def _descendants(root: int) -> List[int]:
 def remove_leftovers(before: set, tmpdir: Optional[str]) -> List[str]:
     """Remove what a finished job left (MPI segments and Hydra files new since ``before``,
     a :func:`leftovers.snapshot`, that no live process uses; ``tmpdir``); return it."""
-    left = leftovers(before, mpi_only=True)
+    left = leftovers(before, mpi_only=True, grace_s=GRACE_S)
     remove(left)
     if tmpdir is not None and os.path.isdir(tmpdir):
         left += [str(p) for p in sorted(Path(tmpdir).iterdir()) if not p.name.startswith(TORCH_CACHE)]

@@ -95,12 +95,12 @@ def test_lock_held_one_second_delays_the_others_one_to_two_seconds(comm):
     with RemoteMemory(comm, 8) as mem:
         if rank == 0:
             mem._acquire()
+        start = time.monotonic()  # before the barrier: rank 0 sleeps after it, so waits are >= 1.05 s
         comm.Barrier()
         if rank == 0:
             time.sleep(1.05)
             mem._release()
         else:
-            start = time.monotonic()
             with mem.lock():
                 waited = time.monotonic() - start
             assert 1.0 <= waited <= 2.0, waited
