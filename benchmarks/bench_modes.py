@@ -1,21 +1,32 @@
-"""Accuracy and wall time of the synchronization modes on the default trainer run.
+"""Accuracy, wall time and straggler tolerance of the synchronization modes on the default run.
 
 One command::
 
-    python benchmarks/bench_modes.py                       # 4 ranks, sync/elastic/async, 30 epochs
-    python benchmarks/bench_modes.py --ranks 2 --epochs 5 --modes sync async
+    python benchmarks/bench_modes.py          # 4 ranks, sync/elastic/async: both tables
+    python benchmarks/bench_modes.py --part straggler --ranks 2 --modes sync async
 
-Runs ``mpiexec -n RANKS python -m hsgd.train --sync MODE`` (MNIST-1D, the
-default CNN and AdamW, every other option at its default) once per mode, one
-after the other, and prints the final and best test accuracy and the wall
-time of each run (including start-up and the data set, generated once into
-``--cache-dir`` before the first timed run).
+Every run is ``mpiexec -n RANKS python -m hsgd.train --sync MODE`` on the
+default MNIST-1D run (the CNN, AdamW, every other option at its default),
+one run at a time; the data set is generated once into ``--cache-dir``
+before the first timed run.
+
+- ``accuracy``: one ``--epochs`` run per mode: final and best test accuracy,
+  wall time (start-up included).
+- ``straggler``: per mode, short runs (``--straggler-epochs``) without and
+  with ``--straggler LAST:FACTOR`` (the last rank's steps made FACTOR times
+  longer by busy-waiting, so the CPU the others get is the same in both),
+  alternating, ``--repeats`` times. A rank's pace is its steps per second
+  until its last step of an epoch (the epoch records' ``rank_steps_per_s``,
+  averaged over the epochs); the table shows the medians over the repeats of
+  the other ranks' mean pace and of the straggler's, and the others' pace
+  with the straggler relative to without.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,9 +36,13 @@ from pathlib import Path
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=["all", "accuracy", "straggler"], default="all")
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--epochs", type=int, default=30, help="epochs of the accuracy runs")
     p.add_argument("--modes", nargs="+", default=["sync", "elastic", "async"])
+    p.add_argument("--factor", type=float, default=3.0, help="the straggler's slowdown")
+    p.add_argument("--straggler-epochs", type=int, default=3, help="epochs of each straggler run")
+    p.add_argument("--repeats", type=int, default=3, help="runs with and without the straggler, per mode")
     p.add_argument("--cache-dir", default=None, help="where MNIST-1D is generated (default: a temp dir)")
     args, extra = p.parse_known_args(argv)
     mpiexec = Path(sys.executable).with_name("mpiexec")
@@ -35,28 +50,65 @@ def main(argv=None):
                 "-m", "hsgd.train"]
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.cache_dir or str(Path(tmp) / "cache")
-        warm = subprocess.run([*launcher, "--cache-dir", cache, "--epochs", "1", "--run-dir",
-                               str(Path(tmp) / "warm"), "--progress", "none"], capture_output=True, text=True)
-        if warm.returncode:
-            sys.exit(f"the warm-up run failed:\n{warm.stderr[-4000:]}")
-        rows = []
-        for mode in args.modes:
-            run = Path(tmp) / mode
+        runs = iter(range(10**6))
+
+        def train(*options):
+            run_dir = Path(tmp) / f"run{next(runs)}"
             start = time.perf_counter()
-            out = subprocess.run([*launcher, "--cache-dir", cache, "--epochs", str(args.epochs), "--sync", mode,
-                                  "--run-dir", str(run), "--progress", "none", *extra],
-                                 capture_output=True, text=True)
+            out = subprocess.run([*launcher, "--cache-dir", cache, "--run-dir", str(run_dir),
+                                  "--progress", "none", *options, *extra], capture_output=True, text=True)
             seconds = time.perf_counter() - start
             if out.returncode:
-                sys.exit(f"--sync {mode} failed:\n{out.stderr[-4000:]}")
-            epochs = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-                      if r["event"] == "epoch"]
-            rows.append((mode, epochs[-1]["test_acc"], max(e["test_acc"] for e in epochs), seconds))
-    print(f"{args.ranks} ranks, {args.epochs} epochs, MNIST-1D default run {' '.join(extra)}\n")
+                sys.exit(f"{' '.join(options)} failed:\n{out.stderr[-4000:]}")
+            records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            return [r for r in records if r["event"] == "epoch"], seconds
+
+        train("--epochs", "1")  # generates the data set; not timed
+        print(f"{args.ranks} ranks, MNIST-1D default run {' '.join(extra)}\n")
+        if args.part in ("all", "accuracy"):
+            accuracy(train, args)
+        if args.part in ("all", "straggler"):
+            stragglers(train, args)
+
+
+def accuracy(train, args) -> None:
+    rows = []
+    for mode in args.modes:
+        epochs, seconds = train("--epochs", str(args.epochs), "--sync", mode)
+        rows.append((mode, epochs[-1]["test_acc"], max(e["test_acc"] for e in epochs), seconds))
+    print(f"Accuracy, {args.epochs} epochs, one run per mode\n")
     print("| --sync | final test acc | best test acc | wall s |")
     print("|---|---|---|---|")
     for mode, final, best, seconds in rows:
         print(f"| {mode} | {100 * final:.2f}% | {100 * best:.2f}% | {seconds:.0f} |")
+    print()
+
+
+def stragglers(train, args) -> None:
+    slow = args.ranks - 1
+    straggler = f"{slow}:{args.factor:g}"
+    paces = {(mode, with_straggler): [] for mode in args.modes for with_straggler in (False, True)}
+    walls = {key: [] for key in paces}
+    for _ in range(args.repeats):
+        for mode in args.modes:
+            for with_straggler in (False, True):
+                options = ["--epochs", str(args.straggler_epochs), "--sync", mode]
+                epochs, seconds = train(*options, *(["--straggler", straggler] if with_straggler else []))
+                per_rank = [statistics.mean(e["rank_steps_per_s"][r] for e in epochs) for r in range(args.ranks)]
+                others = statistics.mean(per_rank[:slow])
+                paces[mode, with_straggler].append((others, per_rank[slow]))
+                walls[mode, with_straggler].append(seconds)
+    print(f"Straggler: rank {slow} made {args.factor:g}x slower, {args.straggler_epochs} epochs per run, "
+          f"median of {args.repeats} runs; steps/s per rank\n")
+    print("| --sync | others, alone | others, with straggler | ratio | straggler | wall s alone | "
+          "wall s with |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in args.modes:
+        alone = statistics.median(o for o, _ in paces[mode, False])
+        slowed = statistics.median(o for o, _ in paces[mode, True])
+        own = statistics.median(s for _, s in paces[mode, True])
+        print(f"| {mode} | {alone:.1f} | {slowed:.1f} | {slowed / alone:.2f} | {own:.1f} | "
+              f"{statistics.median(walls[mode, False]):.0f} | {statistics.median(walls[mode, True]):.0f} |")
 
 
 if __name__ == "__main__":

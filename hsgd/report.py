@@ -10,7 +10,10 @@ Of ``metrics.jsonl`` (one JSON object per line) only ``"step"`` records
 ``train_loss``, ``train_acc``, ``test_loss``, ``test_acc`` as a fraction,
 ``samples_per_s``, ``seconds``, ``time`` = seconds per phase on rank 0,
 ``intra_bytes`` / ``inter_bytes`` = bytes moved inside / across nodes by all
-ranks in the epoch) are read; other events and keys are ignored. A resumed run appends to the same
+ranks in the epoch) are read; other events and keys are ignored (a step
+record's ``ranks``: how many ranks its loss and samples/s cover, 1 in the
+modes whose ranks do not step together; an epoch record's
+``rank_steps_per_s``: each rank's steps per second up to its last step). A resumed run appends to the same
 file, so the last record for a step or an epoch wins. Lines that are not JSON
 (cut off by a killed run) are skipped with a warning. An epoch's communication
 share is ``(intra + inter) / (data + compute + intra + inter)`` of its ``time``.

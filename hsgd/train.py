@@ -40,8 +40,7 @@ EXIT_BAD_INPUT = 2
 
 class StopSignal:
     """Remembers SIGUSR1/SIGTERM from the moment it is built (first thing in ``main``);
-    the ranks agree on it every ``STOP_CHECK_STEPS`` steps (see :mod:`hsgd._trainer.loop`)
-    and at epoch ends."""
+    the ranks agree on one step to stop at (see :mod:`hsgd._trainer.stopping`)."""
 
     def __init__(self):
         self.received = 0.0

@@ -17,7 +17,9 @@ base class holds what all modes need and checks what all modes take:
 
 A subclass sets ``name`` (its ``--sync`` choice in the trainer),
 ``bind``, ``replicas_differ`` (whether ranks' models differ between
-averagings, so that evaluation and checkpoints must average them) and
+averagings, so that evaluation and checkpoints must average them),
+``lockstep`` (whether ``step()`` is collective, so that the ranks run in
+step and a caller may add collectives between steps) and
 ``config_fields`` (the trainer's config fields it takes), and implements
 ``_check`` and ``_step``. A family with another engine than the shared
 window (the parameter box of :mod:`hsgd.remote`) overrides ``_build`` and
@@ -76,6 +78,7 @@ class SyncMode:
     name: ClassVar[str] = ""
     bind: ClassVar[str] = "grad"
     replicas_differ: ClassVar[bool] = False
+    lockstep: ClassVar[bool] = True
     config_fields: ClassVar[Tuple[str, ...]] = ("inter_node",)
 
     def __init__(self, optimizer, model, *, topology=None, inter_node="leader",

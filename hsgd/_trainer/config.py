@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, get_type_hints
 
+from .._engine.agree import collective_error
+from ..errors import InputValueError
 from ..inter_node import STRATEGIES
 from ..modes import SYNC_MODES
 from .models import MODELS
@@ -95,6 +97,9 @@ class TrainConfig:
                                        "--resume; none there: start afresh) or from a given file",
                                  nargs="?", const="latest")
     stop_after: int = _opt(0, "stop (with a checkpoint) after this many steps in this run; 0: no limit")
+    straggler: Optional[str] = _opt(None, "RANK:FACTOR: make rank RANK's steps FACTOR (>= 1) times longer, "
+                                          "busy-waiting after each step, to see how a mode copes with "
+                                          "a slow worker (e.g. 3:3)", metavar="RANK:FACTOR")
 
     def validate(self) -> Optional[str]:
         """The first problem with this config, as an instruction; ``None`` if fine."""
@@ -110,6 +115,9 @@ class TrainConfig:
                 return f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
         if not 0 <= self.momentum < 1:
             return f"--momentum must be in [0, 1) (0.9 is usual, 0 disables it), got {self.momentum}"
+        straggler = self._straggler()
+        if isinstance(straggler, str):
+            return straggler
         if not 0 <= self.alpha <= 1:
             return f"--alpha must be in [0, 1] (SEASGD uses 0.1 to 0.5), got {self.alpha}"
         if self.nesterov and self.momentum == 0 and self.optimizer in ("sgd", "lars"):
@@ -137,6 +145,31 @@ class TrainConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         return [f"--{name.replace('_', '-')}" for name in sorted(others)
                 if getattr(self, name) != defaults[name]]
+
+    def _straggler(self):
+        """``--straggler`` as ``(rank, factor)``, ``None`` if unset, or a problem as a ``str``."""
+        if self.straggler is None:
+            return None
+        rank, _, factor = self.straggler.partition(":")
+        try:
+            rank, factor = int(rank), float(factor)
+        except ValueError:
+            rank, factor = -1, 0.0
+        if rank < 0 or not 1 <= factor < float("inf"):
+            return (f"--straggler takes RANK:FACTOR, a rank >= 0 and a factor >= 1 (e.g. 3:3 makes rank 3's "
+                    f"steps 3 times longer), got {self.straggler!r}")
+        return rank, factor
+
+    def straggler_factor(self, rank: int, world_size: int) -> float:
+        """How many times longer ``rank``'s steps are made (1.0: not slowed). The same check on
+        every rank: a ``--straggler`` rank outside the job raises an agreed ``InputValueError``."""
+        straggler = self._straggler()
+        if straggler is None:
+            return 1.0
+        if straggler[0] >= world_size:
+            raise collective_error(InputValueError, f"--straggler {self.straggler}: there is no rank "
+                                   f"{straggler[0]} in a job of {world_size} ranks; pick one below {world_size}")
+        return straggler[1] if straggler[0] == rank else 1.0
 
     def _milestones_problem(self) -> Optional[str]:
         if not self.milestones:

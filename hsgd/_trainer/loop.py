@@ -3,9 +3,16 @@
 Read top to bottom: :meth:`Trainer.run` runs epochs until the last one or a
 stop; :meth:`Trainer._run_epoch` runs steps (data, forward/backward, the
 synchronization mode's ``step()``, the LR schedule), logs every
-``--log-every`` steps, agrees on a stop signal every ``STOP_CHECK_STEPS``
-steps and checkpoints every ``--save-every`` steps; :meth:`Trainer._end_epoch`
-evaluates and writes the epoch record. Every method is collective.
+``--log-every`` steps, looks for a stop signal every ``STOP_CHECK_STEPS``
+steps (:mod:`hsgd._trainer.stopping`) and checkpoints every ``--save-every``
+steps; :meth:`Trainer._end_epoch` evaluates and writes the epoch record.
+
+Every method is collective, but inside an epoch the loop adds no collective
+of its own for a mode whose ranks do not step together (``opt.lockstep``
+false, the parameter box): its step records then carry rank 0's own loss
+and throughput (``"ranks": 1``), and the stop is agreed through remote
+memory. An epoch's end (its reduction, evaluation and checkpoint) and
+``--save-every`` are the points where all ranks meet.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from .config import TrainConfig
 from .metrics import MetricsLog, PhaseClock, write_timeline
 from .progress import Progress
 from .setup import build, setup
+from .stopping import STOP_CHECK_STEPS, stop_agreement
 from .training import checkpoint_state, evaluate, restore, resume_state
 
 __all__ = ["Trainer", "EXIT_REQUEUE", "STOP_CHECK_STEPS"]
@@ -32,7 +40,6 @@ __all__ = ["Trainer", "EXIT_REQUEUE", "STOP_CHECK_STEPS"]
 logger = logging.getLogger("hsgd.train")
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint written after a signal; requeue and --resume
-STOP_CHECK_STEPS = 10  # how often the ranks agree on a received stop signal
 
 
 class Trainer:
@@ -40,6 +47,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, comm, stopper):
         self.cfg, self.comm = cfg, comm
+        self.slowdown = cfg.straggler_factor(comm.Get_rank(), comm.Get_size())  # 1: not slowed
         self.topo, self.device, self.run_dir, self.ckpt_dir = setup(cfg, comm)
         self.is_main = self.topo.rank == 0
         self.train_loader, self.test_loader, self.model, self.opt, self.scheduler = \
@@ -51,6 +59,7 @@ class Trainer:
         self.opt.on_phase = self.clock.record
         self.log = _open_log(self.run_dir, self.comm, cfg.tensorboard)
         self.stopper = stopper
+        self.stops = stop_agreement(self.opt, comm, stopper, self.step)
         self.progress = Progress(cfg.progress, self.is_main, len(self.train_loader))
 
     def _resume(self) -> None:
@@ -83,54 +92,68 @@ class Trainer:
         self.progress.start_epoch(self.epoch, loader.position)
         start, totals, times = time.perf_counter(), torch.zeros(4, dtype=torch.float64), Counter()
         window, window_start, stop, batches = torch.zeros(4, dtype=torch.float64), start, None, iter(loader)
+        epoch_steps, stepping_end = 0, start
         while stop is None and loader.position < len(loader):
+            step_start = time.perf_counter()
             with self.clock.phase("data"):
                 batch = next(batches)
             loss, correct, n = _train_step(self.model, self.opt, batch, self.device, self.clock)
+            if self.slowdown > 1:
+                self._straggle(time.perf_counter() - step_start)
             self.scheduler.step()
-            self.step, run_steps = self.step + 1, run_steps + 1
+            self.step, run_steps, epoch_steps = self.step + 1, run_steps + 1, epoch_steps + 1
+            stepping_end = time.perf_counter()
             window += torch.tensor([loss * n, correct, n, 0.0], dtype=torch.float64)
             if self.step % cfg.log_every == 0:
-                stop = self._log_window(window, time.perf_counter() - window_start, times)
+                self._log_window(window, stepping_end - window_start, times)
                 totals += window
                 window.zero_()
                 window_start = time.perf_counter()
-            elif self.step % STOP_CHECK_STEPS == 0:
-                stop = self._agree_stop()
+            if self.stops.should_stop(self.step):
+                stop = "signal"
             self.progress.advance()
             if cfg.stop_after and run_steps >= cfg.stop_after:
                 stop = stop or "stop-after"
             if stop is None and cfg.save_every and self.step % cfg.save_every == 0:
                 self.save()
-        totals += self._reduce(window)
+        totals += window
+        self._reduce(totals)  # where the ranks meet, however far apart their steps were
         stop = stop or ("signal" if totals[3] > 0 else None)
-        if loader.position == len(loader):  # the epoch ran to its end
-            self._end_epoch(totals, time.perf_counter() - start, times)
+        if loader.position == len(loader):  # the epoch ran to its end (on every rank: one stop step)
+            rate = epoch_steps / max(stepping_end - start, 1e-9)
+            self._end_epoch(totals, time.perf_counter() - start, times, rate)
         return stop, run_steps
 
-    def _reduce(self, window):
-        """Sum the window's loss/accuracy counts and this rank's stop flag over ranks."""
-        window[3] = self.stopper.received
-        self.comm.Allreduce(MPI.IN_PLACE, window.numpy(), op=MPI.SUM)
-        return window
+    def _straggle(self, seconds: float) -> None:
+        """``--straggler``: stretch this step to ``slowdown`` times ``seconds``, keeping the CPU busy
+        as a slower processor would (a sleep would hand the core to the other ranks)."""
+        with self.clock.phase("straggler"):
+            end = time.perf_counter() + (self.slowdown - 1) * seconds
+            while time.perf_counter() < end:
+                pass
 
-    def _agree_stop(self) -> Optional[str]:
-        flag = self.comm.allreduce(self.stopper.received, op=MPI.MAX)
-        return "signal" if flag > 0 else None
+    def _reduce(self, totals):
+        """Sum loss/accuracy counts and this rank's stop flag over ranks, in place."""
+        totals[3] = self.stopper.received
+        self.comm.Allreduce(MPI.IN_PLACE, totals.numpy(), op=MPI.SUM)
+        return totals
 
-    def _log_window(self, window, seconds: float, epoch_times: Counter) -> Optional[str]:
-        self._reduce(window)
-        stop = "signal" if window[3] > 0 else None
+    def _log_window(self, window, seconds: float, epoch_times: Counter) -> None:
+        """A step record: over all ranks in a lockstep mode, else rank 0's own (no collective)."""
+        ranks = 1
+        if self.opt.lockstep:
+            window = window.clone()
+            self.comm.Allreduce(MPI.IN_PLACE, window.numpy(), op=MPI.SUM)
+            ranks = self.comm.Get_size()
         times = self.clock.take()
         epoch_times.update(times)
         record = dict(epoch=self.epoch, step=self.step, loss=(window[0] / window[2]).item(),
                       lr=self.scheduler.get_last_lr()[0], samples_per_s=window[2].item() / seconds,
-                      time=times)
+                      ranks=ranks, time=times)
         self.log.write("step", **record)
         self.progress.update(record)
-        return stop
 
-    def _end_epoch(self, totals, train_seconds: float, times: Counter) -> None:
+    def _end_epoch(self, totals, train_seconds: float, times: Counter, steps_per_s: float) -> None:
         with self.clock.phase("eval"):
             test_loss, test_acc = evaluate(self.model, self.test_loader, self.comm, self.device,
                                            shared=self.opt.shared_state_dict if self.opt.replicas_differ else None)
@@ -141,17 +164,19 @@ class Trainer:
                       train_acc=totals[1].item() / seen, test_loss=test_loss,
                       test_acc=test_acc, lr=self.scheduler.get_last_lr()[0],
                       samples_per_s=totals[2].item() / train_seconds,
-                      seconds=train_seconds + times["eval"], time=dict(times), **self._epoch_traffic())
+                      seconds=train_seconds + times["eval"], time=dict(times), **self._epoch_ranks(steps_per_s))
         self.log.write("epoch", **record)
         self.progress.end_epoch(record)
         self.epoch += 1
 
-    def _epoch_traffic(self) -> dict:
-        """Bytes moved this epoch, inside nodes and across nodes, summed over all ranks."""
+    def _epoch_ranks(self, steps_per_s: float) -> dict:
+        """Bytes moved this epoch inside and across nodes (summed over ranks), and each rank's
+        steps per second until its last step (before waiting for the others at the epoch's end)."""
         now, keys = self.opt.traffic, ("intra_bytes", "inter_bytes")
-        moved = torch.tensor([now[k] - self._traffic_start[k] for k in keys], dtype=torch.int64)
-        self.comm.Allreduce(MPI.IN_PLACE, moved.numpy(), op=MPI.SUM)
-        return dict(zip(keys, moved.tolist()))
+        mine = [now[k] - self._traffic_start[k] for k in keys]
+        every = self.comm.allgather((mine, steps_per_s))
+        moved = [sum(m[i] for m, _ in every) for i in range(len(keys))]
+        return dict(zip(keys, moved), rank_steps_per_s=[round(rate, 3) for _, rate in every])
 
     def _finish(self, stop: Optional[str]) -> None:
         self.progress.close()
@@ -164,6 +189,7 @@ class Trainer:
             logger.info("%s after %d steps; best test accuracy %.2f%%; run directory %s",
                         f"stopped ({stop})" if stop else "done", self.step, 100 * self.best,
                         self.run_dir)
+        self.stops.close()
         self.opt.close()
         self.topo.close()
 

@@ -47,7 +47,7 @@ from .._engine.binding import SlotBinding
 from .._engine.checks import check_int
 from .._engine.mode import SyncMode
 from ..errors import InputTypeError, InputValueError
-from .memory import DTYPES, RemoteMemory
+from .memory import RemoteMemory
 
 __all__ = ["ElasticSGD", "AsyncSGD", "BoxMode"]
 
@@ -74,6 +74,7 @@ class BoxMode(SyncMode):
 
     bind = "data"
     replicas_differ = True
+    lockstep = False  # step() waits for nobody: ranks drift apart
 
     def _build(self, params, inter_node) -> None:
         dtypes = {p.dtype for p in params}
@@ -81,7 +82,6 @@ class BoxMode(SyncMode):
             raise collective_error(InputTypeError, f"{type(self).__name__} needs all trainable parameters "
                                    f"in one of float32 or float64, got {sorted(map(str, dtypes))}")
         dtype = dtypes.pop()
-        assert dtype in DTYPES
         self._on_phase = None
         self._slot = _FlatSlot(params, dtype)
         self._binding = SlotBinding(self._slot, params, "data")  # copies the values in, binds views
@@ -140,7 +140,13 @@ class BoxMode(SyncMode):
         return [name for name, p in self.model.named_parameters() if p.requires_grad]
 
     def shared_state_dict(self) -> dict:
-        """The model with ``W_g`` as its parameters (buffers averaged over ranks). Collective."""
+        """The model with ``W_g`` as its parameters (buffers averaged over ranks). Collective.
+
+        Every rank's last update is in ``W_g`` before anyone reads it, however
+        far apart the ranks' steps were.
+        """
+        self._finish_round()
+        self.topology.comm.Barrier()
         state = super().shared_state_dict()
         for name, value in zip(self._trained_names(), self.global_parameters()):
             state[name] = value.to("cpu")
@@ -181,7 +187,7 @@ class ElasticSGD(BoxMode):
     config_fields = ("alpha", "tau")
 
     def __init__(self, optimizer, model, *, topology=None, alpha=0.2, tau=1, broadcast=True):
-        self.alpha, self.tau = alpha, tau
+        self.alpha, self.tau, self._delta = alpha, tau, None
         super().__init__(optimizer, model, topology=topology, broadcast=broadcast,
                          settings={"alpha": alpha, "tau": tau})
 
@@ -196,9 +202,10 @@ class ElasticSGD(BoxMode):
             return
         start = time.perf_counter()
         self._binding.gather()  # staged (non-CPU) parameters into W_x
-        self._finish_round()
-        global_w = self.box.read(0, torch.empty_like(self.local))
-        delta = global_w.sub_(self.local).mul_(-self.alpha)  # alpha * (W_x - W_g), in place of the copy
+        self._finish_round()  # the last round's delta is in W_g: its buffer is free again
+        if self._delta is None:
+            self._delta = torch.empty_like(self.local)
+        delta = self.box.read(0, self._delta).sub_(self.local).mul_(-self.alpha)  # alpha * (W_x - W_g)
         self.local.sub_(delta)
         self.box.accumulate_start(0, delta)  # delta stays untouched until the next round completes it
         self._binding.scatter()
@@ -221,15 +228,18 @@ class AsyncSGD(BoxMode):
     config_fields = ()
 
     def __init__(self, optimizer, model, *, topology=None, broadcast=True):
+        self._change = None
         super().__init__(optimizer, model, topology=topology, broadcast=broadcast, settings={})
 
     def _step(self) -> None:
         self._binding.gather()
-        before = self.local.clone()
+        if self._change is None:
+            self._change = torch.empty_like(self.local)
+        before = self._change.copy_(self.local)
         self.optimizer.step()
         start = time.perf_counter()
         self._binding.gather()
-        self.box.accumulate(0, self.local - before)
+        self.box.accumulate(0, before.neg_().add_(self.local))  # the step's change, in place
         self.box.read(0, self.local)
         self._binding.scatter()
         self._timed(start)

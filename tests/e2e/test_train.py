@@ -53,7 +53,7 @@ def test_run_writes_metrics_timeline_and_report(tmp_path, cache):
     assert epochs[-1]["inter_bytes"] == 0
     assert epochs[-1]["intra_bytes"] > 0 and epochs[-1]["intra_bytes"] % (2 * steps_per_epoch) == 0
     steps = records(run, "step")
-    assert steps and all(s["loss"] > 0 and s["samples_per_s"] > 0 for s in steps)
+    assert steps and all(s["loss"] > 0 and s["samples_per_s"] > 0 and s["ranks"] == 2 for s in steps)
     assert json.loads((run / "config.json").read_text())["batch_size"] == 64
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["tid"] for e in trace if e["ph"] == "X"} == {0, 1}
@@ -121,10 +121,12 @@ def test_parameter_box_run_stops_and_resumes_from_w_g(tmp_path, cache, mode):
     assert any(not torch.equal(stopped[k], final[k]) for k in final)  # it trained on from there
 
 
-def test_signal_checkpoints_and_exits_for_requeue(tmp_path, cache):
+# async with a straggler: the ranks drift apart and agree on the stop through remote memory
+@pytest.mark.parametrize("extra", [[], ["--sync", "async", "--straggler", "1:3"]])
+def test_signal_checkpoints_and_exits_for_requeue(tmp_path, cache, extra):
     run = tmp_path / "run"
     cmd = mpi_command(2, ["-m", "hsgd.train", "--cache-dir", cache, *SMALL, "--epochs", "50",
-                          "--log-every", "5", "--run-dir", str(run)])
+                          "--log-every", "5", "--run-dir", str(run), *extra])
     shm_before, tmpdir = snapshot(), str(tmp_path / "tmp")
     os.mkdir(tmpdir)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -142,7 +144,24 @@ def test_signal_checkpoints_and_exits_for_requeue(tmp_path, cache):
     assert proc.returncode == 75, err
     assert not left, f"a job stopped by a signal left files behind: {left}"
     assert "stopped (signal)" in err
-    assert list((run / "checkpoints").glob("ckpt-*.pt"))
+    checkpoints = sorted((run / "checkpoints").glob("ckpt-*.pt"))
+    assert checkpoints
+    state = torch.load(checkpoints[-1], weights_only=False)
+    assert f"stopped (signal) after {state['step']} steps" in err  # one step for every rank
+
+
+def test_straggler_stretches_its_steps_and_every_rank_reports_its_pace(tmp_path, cache):
+    run = tmp_path / "run"
+    proc = train(2, [*SMALL, "--sync", "async", "--straggler", "0:3", "--log-every", "5",
+                     "--run-dir", str(run)], cache)
+    assert proc.returncode == 0, proc.stderr
+    for epoch in records(run, "epoch"):
+        times = epoch["time"]  # rank 0's phases: rank 0 is the straggler
+        # each step is stretched by 2x its own length (data, compute and the box's traffic)
+        assert times["straggler"] >= 1.9 * (times["data"] + times["compute"] + times["intra"]), times
+        assert len(epoch["rank_steps_per_s"]) == 2 and min(epoch["rank_steps_per_s"]) > 0
+    steps = records(run, "step")
+    assert steps and all(s["ranks"] == 1 for s in steps)  # async: rank 0's own, no collective
 
 
 def bad_h5(tmp_path, name, **arrays):
@@ -177,6 +196,8 @@ def bad_inputs(tmp_path):
         ("nesterov", ["--optimizer", "sgd", "--nesterov", "--momentum", "0"], "--nesterov"),
         ("milestones", ["--schedule", "step", "--milestones", "0"], "--milestones"),
         ("momentum", ["--momentum", "1.5"], "--momentum"),
+        ("straggler", ["--straggler", "1:0.5"], "--straggler"),
+        ("straggler rank", ["--straggler", "2:3"], "no rank 2 in a job of 2 ranks"),
     ]
 
 

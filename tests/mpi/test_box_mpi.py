@@ -4,6 +4,8 @@ No ``try/finally: opt.close()``: close is collective, so after a failed
 assertion on one rank it would hang; the conftest aborts the job instead.
 """
 
+import time
+
 import pytest
 import torch
 
@@ -93,6 +95,36 @@ def test_async_step_adds_every_change_to_w_g(comm):
     assert torch.allclose(w_g, expect, rtol=0, atol=1e-9)
     # every rank continued from W_g after its last step: equal to W_g as it was then
     assert opt.traffic["intra_bytes"] + opt.traffic["inter_bytes"] > 0
+    comm.Barrier()
+    opt.close()
+
+
+@pytest.mark.parametrize("cls", [ElasticSGD, AsyncSGD])
+def test_ranks_ending_apart_lose_no_update_of_w_g(comm, cls):
+    """Rank r runs r + 1 steps, the last one late: the W_g that shared_state_dict returns
+    (what the trainer evaluates and saves, with no barrier before it) holds every update."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    model = linear()
+    lr = 0.5 if cls is AsyncSGD else 0.0  # elastic: lr 0, the rounds alone move W_g and W_x
+    opt = cls(torch.optim.SGD(model.parameters(), lr=lr), model)
+    w_g0 = flat(opt.global_parameters())
+    comm.Barrier()
+    if cls is ElasticSGD:
+        fill(model, 10.0 * (rank + 1))
+    total0 = w_g0 + comm.allreduce(flat(p.detach() for p in model.parameters()))
+    for step in range(rank + 1):
+        if rank == size - 1 and step == rank:
+            time.sleep(0.3)  # the others are in shared_state_dict by now
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float(rank + 1))
+        opt.step()
+    state = opt.shared_state_dict()
+    w_g = flat([state["weight"], state["bias"]])
+    if cls is AsyncSGD:
+        expect = w_g0 - lr * sum((r + 1) * (r + 1) for r in range(size))
+    else:  # each round conserves W_g + sum(W_x)
+        expect = total0 - comm.allreduce(flat(p.detach() for p in model.parameters()))
+    assert torch.allclose(w_g, expect, rtol=0, atol=1e-9)
     comm.Barrier()
     opt.close()
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from hsgd import InputValueError
 from hsgd.train import parse_config
 
 
@@ -19,6 +20,12 @@ from hsgd.train import parse_config
     (["--schedule", "step"], "--milestones"),
     (["--lr", "0"], "--lr"),
     (["--intra-period", "0"], "--intra-period"),
+    (["--straggler", "3"], "--straggler"),
+    (["--straggler", "a:3"], "--straggler"),
+    (["--straggler=-1:3"], "--straggler"),
+    (["--straggler", "1:0.5"], "--straggler"),
+    (["--straggler", "1:inf"], "--straggler"),
+    (["--straggler", "1:nan"], "--straggler"),
 ])
 def test_bad_flags_are_named(argv, flag):
     problem = parse_config(argv).validate()
@@ -31,6 +38,8 @@ def test_bad_flags_are_named(argv, flag):
     ["--optimizer", "adamw", "--momentum", "0"],
     ["--schedule", "step", "--epochs", "30", "--milestones", "10", "20"],
     ["--optimizer", "lars", "--trust-coefficient", "0.02"],
+    ["--straggler", "3:3"],
+    ["--straggler", "0:1"],
 ])
 def test_good_flags_pass(argv):
     assert parse_config(argv).validate() is None
@@ -44,3 +53,12 @@ def test_good_flags_pass(argv):
 ])
 def test_flags_of_another_mode_are_reported_as_ignored(argv, ignored):
     assert parse_config(argv).ignored_flags() == ignored
+
+
+def test_straggler_slows_only_its_rank_and_must_be_in_the_job():
+    cfg = parse_config(["--straggler", "2:2.5"])
+    assert [cfg.straggler_factor(rank, 4) for rank in range(4)] == [1.0, 1.0, 2.5, 1.0]
+    assert parse_config([]).straggler_factor(0, 1) == 1.0
+    with pytest.raises(InputValueError, match="no rank 2 in a job of 2 ranks") as err:
+        cfg.straggler_factor(0, 2)
+    assert err.value.hsgd_agreed  # every rank decides alike: the trainer exits with one message

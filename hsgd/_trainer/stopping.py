@@ -1,0 +1,89 @@
+"""How the ranks agree to stop mid-epoch after SIGUSR1/SIGTERM, at one common step.
+
+A checkpoint holds one step count, one data position and one schedule for
+all ranks, and every collective after the stop (the last reduction, the
+checkpoint) must be reached by every rank, so all ranks stop after the same
+step. Two ways to agree, chosen by the mode's ``lockstep``:
+
+- :class:`CollectiveStop`, for modes whose ``step()`` is collective (the
+  ranks run in step anyway): an allreduce of the flag every
+  ``STOP_CHECK_STEPS`` steps.
+- :class:`RemoteStop`, for modes whose ranks never wait for each other (the
+  parameter box): no collective at all. A small
+  :class:`~hsgd.remote.memory.RemoteMemory` region on rank 0 holds the stop
+  step ``S`` (0: none yet) and the step at which each rank last looked.
+  Every ``STOP_CHECK_STEPS`` steps a rank takes the region's lock, reads
+  ``S`` and, if none is set, records its own step (a rank that got the
+  signal sets ``S``). A rank looks again at most ``STOP_CHECK_STEPS`` steps
+  after it recorded its step, so ``S = max(recorded steps, own step) +
+  STOP_CHECK_STEPS`` is a step that no rank has passed without seeing ``S``.
+
+Both also stop at an epoch's end: the epoch's last reduction carries every
+rank's flag (see :mod:`hsgd._trainer.loop`).
+"""
+
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from ..remote.memory import RemoteMemory
+
+__all__ = ["STOP_CHECK_STEPS", "CollectiveStop", "RemoteStop", "stop_agreement"]
+
+STOP_CHECK_STEPS = 10  # how often the ranks look for a received stop signal
+
+
+class CollectiveStop:
+    """``should_stop(step)``: an allreduce of the flag every ``STOP_CHECK_STEPS`` steps. Collective."""
+
+    def __init__(self, comm, signal, step: int):
+        self.comm, self.signal = comm, signal
+
+    def should_stop(self, step: int) -> bool:
+        if step % STOP_CHECK_STEPS:
+            return False
+        return self.comm.allreduce(self.signal.received, op=MPI.MAX) > 0
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteStop:
+    """``should_stop(step)`` without a collective: the common stop step lives in remote memory.
+
+    Construction and :meth:`close` are collective; ``step`` is the step count
+    every rank starts from.
+    """
+
+    def __init__(self, comm, signal, step: int, topology=None):
+        self.signal, self.rank = signal, comm.Get_rank()
+        self.mem = RemoteMemory(comm, 1 + comm.Get_size(), dtype=torch.int64, owners=[0], topology=topology)
+        self.words = torch.zeros(1 + comm.Get_size(), dtype=torch.int64)  # [S, rank 0's step, ...]
+        if self.rank == 0:
+            self.words.fill_(step)[0] = 0
+            self.mem.write(0, self.words)
+        comm.Barrier()
+        self.stop_at = None
+
+    def should_stop(self, step: int) -> bool:
+        if self.stop_at is None and step % STOP_CHECK_STEPS == 0:
+            with self.mem.lock():
+                stop_at = int(self.mem.read(0, self.words)[0])
+                if stop_at == 0 and self.signal.received:
+                    stop_at = max(int(self.words[1:].max()), step) + STOP_CHECK_STEPS
+                    self.mem.write(0, torch.tensor([stop_at]))
+                elif stop_at == 0:
+                    self.mem.write(1 + self.rank, torch.tensor([step]))
+            self.stop_at = stop_at or None
+        return self.stop_at is not None and step >= self.stop_at
+
+    def close(self) -> None:
+        self.mem.close()
+
+
+def stop_agreement(opt, comm, signal, step: int):
+    """The agreement that suits ``opt``'s mode (collective)."""
+    if opt.lockstep:
+        return CollectiveStop(comm, signal, step)
+    return RemoteStop(comm, signal, step, topology=opt.topology)
