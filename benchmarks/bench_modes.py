@@ -45,30 +45,38 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="runs with and without the straggler, per mode")
     p.add_argument("--cache-dir", default=None, help="where MNIST-1D is generated (default: a temp dir)")
     args, extra = p.parse_known_args(argv)
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    launcher = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(args.ranks), sys.executable,
-                "-m", "hsgd.train"]
     with tempfile.TemporaryDirectory() as tmp:
-        cache = args.cache_dir or str(Path(tmp) / "cache")
-        runs = iter(range(10**6))
-
-        def train(*options):
-            run_dir = Path(tmp) / f"run{next(runs)}"
-            start = time.perf_counter()
-            out = subprocess.run([*launcher, "--cache-dir", cache, "--run-dir", str(run_dir),
-                                  "--progress", "none", *options, *extra], capture_output=True, text=True)
-            seconds = time.perf_counter() - start
-            if out.returncode:
-                sys.exit(f"{' '.join(options)} failed:\n{out.stderr[-4000:]}")
-            records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            return [r for r in records if r["event"] == "epoch"], seconds
-
-        train("--epochs", "1")  # generates the data set; not timed
+        train = Runs(args.ranks, tmp, args.cache_dir, extra)
         print(f"{args.ranks} ranks, MNIST-1D default run {' '.join(extra)}\n")
         if args.part in ("all", "accuracy"):
             accuracy(train, args)
         if args.part in ("all", "straggler"):
             stragglers(train, args)
+
+
+class Runs:
+    """``runs(*options)``: one ``mpiexec -n RANKS python -m hsgd.train`` run in a fresh run directory
+    under ``tmp``; returns its epoch records and wall seconds. Generates the data set first, untimed."""
+
+    def __init__(self, ranks: int, tmp: str, cache_dir=None, extra=()):
+        mpiexec = Path(sys.executable).with_name("mpiexec")
+        self.launcher = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(ranks), sys.executable,
+                         "-m", "hsgd.train"]
+        self.tmp, self.extra, self.count = Path(tmp), list(extra), 0
+        self.cache = cache_dir or str(self.tmp / "cache")
+        self("--epochs", "1")
+
+    def __call__(self, *options):
+        self.count += 1
+        run_dir = self.tmp / f"run{self.count}"
+        start = time.perf_counter()
+        out = subprocess.run([*self.launcher, "--cache-dir", self.cache, "--run-dir", str(run_dir),
+                              "--progress", "none", *options, *self.extra], capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        if out.returncode:
+            sys.exit(f"{' '.join(options)} failed:\n{out.stderr[-4000:]}")
+        records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        return [r for r in records if r["event"] == "epoch"], seconds
 
 
 def accuracy(train, args) -> None:

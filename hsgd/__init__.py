@@ -1,7 +1,7 @@
 """hsgd: hierarchical synchronous SGD for PyTorch over MPI shared memory.
 
 What users import lives here; the synchronization modes by family in
-subpackages (:mod:`hsgd.hierarchical`, :mod:`hsgd.remote`), private internals in ``hsgd._*``.
+subpackages (:mod:`hsgd.hierarchical`, :mod:`hsgd.remote`, :mod:`hsgd.gossip`), private internals in ``hsgd._*``.
 
 The names below are loaded on first use (PEP 562), so that ``import hsgd``
 and the commands that need no MPI (``python -m hsgd.report``) do not start
@@ -24,6 +24,7 @@ _EXPORTS = {
     "SyncMode": "._engine.mode",
     "HierarchicalSGD": ".hierarchical", "HierarchicalLocalSGD": ".hierarchical",
     "RemoteMemory": ".remote", "ElasticSGD": ".remote", "AsyncSGD": ".remote",
+    "GossipSGD": ".gossip",
     "Topology": ".topology", "ContiguousH5Loader": ".parallel_io", "LARS": ".lars",
     "WarmupPolyLR": ".schedules", "WarmupMultiStepLR": ".schedules", "scaled_lr": ".schedules",
     "broadcast_parameters": ".broadcast", "broadcast_optimizer_state": ".broadcast",

@@ -9,15 +9,16 @@ Example::
 
     >>> from hsgd.modes import SYNC_MODES
     >>> sorted(SYNC_MODES)
-    ['async', 'elastic', 'local', 'sync']
+    ['async', 'elastic', 'gossip', 'local', 'sync']
 """
 
 from __future__ import annotations
 
 from ._engine.mode import SyncMode
+from .gossip import GossipSGD
 from .hierarchical import HierarchicalLocalSGD, HierarchicalSGD
 from .remote import AsyncSGD, ElasticSGD
 
 __all__ = ["SYNC_MODES", "SyncMode"]
 
-SYNC_MODES = {cls.name: cls for cls in (HierarchicalSGD, HierarchicalLocalSGD, ElasticSGD, AsyncSGD)}
+SYNC_MODES = {cls.name: cls for cls in (HierarchicalSGD, HierarchicalLocalSGD, ElasticSGD, AsyncSGD, GossipSGD)}

@@ -27,11 +27,13 @@ weight decay step).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import List, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["SlotBinding"]
+__all__ = ["SlotBinding", "FlatSlot"]
 
 
 def _own_tensor(segment: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
@@ -41,6 +43,19 @@ def _own_tensor(segment: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
     parameter's gradient would look like a write into all of them.
     """
     return torch.from_numpy(segment.numpy()[offset:offset + numel])
+
+
+class FlatSlot:
+    """A flat private CPU buffer that :class:`SlotBinding` binds ``params`` to (one segment, no
+    padding), for the modes that keep each rank's parameters outside the shared window."""
+
+    def __init__(self, params, dtype):
+        offsets = np.cumsum([0] + [p.numel() for p in params])
+        self.buffer = torch.zeros(int(offsets[-1]), dtype=dtype)
+        self.layout = SimpleNamespace(places=[(0, int(o)) for o in offsets[:-1]], dtypes=[dtype])
+
+    def own(self, segment: int) -> torch.Tensor:
+        return self.buffer
 
 
 class SlotBinding:

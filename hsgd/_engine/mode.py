@@ -184,13 +184,20 @@ class SyncMode:
         broadcast_optimizer_state(self.optimizer, self.topology.comm, root)
         self.num_steps = self.topology.comm.bcast(self.num_steps, root=root)
 
+    _on_phase = None
+
     @property
     def on_phase(self):
         """``None`` or ``fn(name, start, end)``, called with the time of each communication phase."""
-        return self.averager.on_phase
+        return self._on_phase
 
     @on_phase.setter
     def on_phase(self, fn) -> None:
+        self._on_phase = fn
+        self._route_phases(fn)
+
+    def _route_phases(self, fn) -> None:
+        """Hand the phase callback to the engine that :meth:`_build` made (default: the averager)."""
         self.averager.on_phase = fn
 
     def shared_state_dict(self) -> dict:

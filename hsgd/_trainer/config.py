@@ -18,6 +18,8 @@ from typing import List, Optional, get_type_hints
 
 from .._engine.agree import collective_error
 from ..errors import InputValueError
+from ..gossip.graphs import GRAPHS
+from ..gossip.sgd import DEFAULT_THETA
 from ..inter_node import STRATEGIES
 from ..modes import SYNC_MODES
 from .models import MODELS
@@ -76,11 +78,17 @@ class TrainConfig:
                              "every step) | local (hierarchical local SGD, parameters averaged "
                              "every --intra-period steps in the node) | elastic (SEASGD against "
                              "global weights in remote memory) | async (asynchronous SGD against "
-                             "them)", choices=list(SYNC_MODES))
+                             "them) | gossip (averaging with a few peers per step, "
+                             "--gossip-graph, --gossip-theta)", choices=list(SYNC_MODES))
     intra_period: int = _opt(1, "parameter averaging inside a node every N steps (--sync local)")
     inter_period: int = _opt(1, "... and across nodes every intra_period * N steps")
     alpha: float = _opt(0.2, "elastic moving rate in [0, 1] (--sync elastic)")
     tau: int = _opt(1, "steps between elastic rounds (--sync elastic)")
+    gossip_graph: str = _opt("exponential", "peers of each gossip round: exponential (directed, push-sum) | "
+                                            "ring | random (matchings) (--sync gossip)", choices=list(GRAPHS))
+    gossip_theta: float = _opt(DEFAULT_THETA, "gossip sends a model only when it moved more than THETA times "
+                                              "the norm of the one it last sent; 0: every step, inf: never "
+                                              "(--sync gossip)")
     inter_node: str = _opt("leader", "leader | sharded inter-node allreduce", choices=list(STRATEGIES))
     ranks_per_node: Optional[int] = _opt(None, "virtual node size (env HSGD_RANKS_PER_NODE); default: physical nodes")
     # --- output ---
@@ -118,6 +126,8 @@ class TrainConfig:
         straggler = self._straggler()
         if isinstance(straggler, str):
             return straggler
+        if not self.gossip_theta >= 0:
+            return f"--gossip-theta must be >= 0 (0: every step, inf: never), got {self.gossip_theta}"
         if not 0 <= self.alpha <= 1:
             return f"--alpha must be in [0, 1] (SEASGD uses 0.1 to 0.5), got {self.alpha}"
         if self.nesterov and self.momentum == 0 and self.optimizer in ("sgd", "lars"):

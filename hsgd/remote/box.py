@@ -36,32 +36,18 @@ Example::
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import List
 
-import numpy as np
 import torch
 
 from .._engine.agree import collective_error
-from .._engine.binding import SlotBinding
+from .._engine.binding import FlatSlot, SlotBinding
 from .._engine.checks import check_int
 from .._engine.mode import SyncMode
 from ..errors import InputTypeError, InputValueError
 from .memory import RemoteMemory
 
 __all__ = ["ElasticSGD", "AsyncSGD", "BoxMode"]
-
-
-class _FlatSlot:
-    """A flat CPU buffer that :class:`SlotBinding` binds parameters to (one segment, no padding)."""
-
-    def __init__(self, params, dtype):
-        offsets = np.cumsum([0] + [p.numel() for p in params])
-        self.buffer = torch.zeros(int(offsets[-1]), dtype=dtype)
-        self.layout = SimpleNamespace(places=[(0, int(o)) for o in offsets[:-1]], dtypes=[dtype])
-
-    def own(self, segment: int) -> torch.Tensor:
-        return self.buffer
 
 
 class BoxMode(SyncMode):
@@ -82,8 +68,7 @@ class BoxMode(SyncMode):
             raise collective_error(InputTypeError, f"{type(self).__name__} needs all trainable parameters "
                                    f"in one of float32 or float64, got {sorted(map(str, dtypes))}")
         dtype = dtypes.pop()
-        self._on_phase = None
-        self._slot = _FlatSlot(params, dtype)
+        self._slot = FlatSlot(params, dtype)
         self._binding = SlotBinding(self._slot, params, "data")  # copies the values in, binds views
         self.local = self._slot.buffer  # W_x
         try:
@@ -156,13 +141,8 @@ class BoxMode(SyncMode):
         """Set ``W_g`` from a checkpoint's model; each rank's replica stays as loaded. Collective."""
         self.load_global_parameters([state_dict[name] for name in self._trained_names()], replicas=False)
 
-    @property
-    def on_phase(self):
-        return self._on_phase
-
-    @on_phase.setter
-    def on_phase(self, fn) -> None:
-        self._on_phase = fn
+    def _route_phases(self, fn) -> None:
+        pass  # the step reports its own phases through self.on_phase
 
     def _timed(self, start: float) -> None:
         """Report the time since ``start`` as ``"intra"`` (every owner on this node) or ``"inter"``."""

@@ -99,13 +99,10 @@ def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, extra, stop_at)
     assert all(e["train_loss"] == e["train_loss"] and e["train_loss"] > 0 for e in epochs)  # no NaN
 
 
-@pytest.mark.parametrize("mode", [["--sync", "elastic", "--alpha", "0.3"], ["--sync", "async"]])
-def test_parameter_box_run_stops_and_resumes_from_w_g(tmp_path, cache, mode):
-    """The box modes train, checkpoint W_g, and resume from it (ranks interleave freely:
-    no bit-identical end, but the resumed run starts from the checkpoint and finishes)."""
-    run = tmp_path / "run"
-    common = [*SMALL, "--ranks-per-node", "1", *mode,
-              "--run-dir", str(run)]
+def stop_at_20_and_resume(run, args, cache):
+    """Run ``args`` for 20 steps, then resume to the end; returns the epoch records and the
+    checkpointed model at the stop."""
+    common = [*SMALL, "--ranks-per-node", "1", *args, "--run-dir", str(run)]
     first = train(2, [*common, "--stop-after", "20"], cache)
     assert first.returncode == 0, first.stderr
     stopped = final_model(run / "checkpoints")
@@ -114,11 +111,35 @@ def test_parameter_box_run_stops_and_resumes_from_w_g(tmp_path, cache, mode):
     assert "resuming from" in second.stderr and "(step 20)" in second.stderr
     epochs = records(run, "epoch")
     assert [e["epoch"] for e in epochs] == [0, 1]
+    return epochs, stopped
+
+
+@pytest.mark.parametrize("mode", [["--sync", "elastic", "--alpha", "0.3"], ["--sync", "async"]])
+def test_parameter_box_run_stops_and_resumes_from_w_g(tmp_path, cache, mode):
+    """The box modes train, checkpoint W_g, and resume from it (ranks interleave freely:
+    no bit-identical end, but the resumed run starts from the checkpoint and finishes)."""
+    run = tmp_path / "run"
+    epochs, stopped = stop_at_20_and_resume(run, mode, cache)
     assert epochs[-1]["test_acc"] > 0.15  # 10 classes: chance is 0.1
     # two virtual nodes, one owner each: half of W_g is on the other node
     assert epochs[-1]["inter_bytes"] > 0 and epochs[-1]["intra_bytes"] > 0
     final = final_model(run / "checkpoints")
     assert any(not torch.equal(stopped[k], final[k]) for k in final)  # it trained on from there
+
+
+def test_gossip_run_saves_the_consensus_and_resumes(tmp_path, cache):
+    """--sync gossip trains; its checkpoint holds the push-sum consensus of the replicas (never
+    one rank's), and a stopped run resumes with each rank's weight and replica."""
+    run = tmp_path / "run"
+    epochs, _ = stop_at_20_and_resume(run, ["--sync", "gossip", "--gossip-theta", "0.01"], cache)
+    assert epochs[-1]["test_acc"] > 0.25  # 10 classes: chance is 0.1
+    assert epochs[-1]["inter_bytes"] > 0 and epochs[-1]["intra_bytes"] == 0  # the peer is on the other node
+    state = torch.load(sorted((run / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=False)
+    weights = [r["optimizer"]["hsgd_gossip"]["weight"] for r in state["replicas"]]
+    for key, value in state["model"].items():
+        if value.is_floating_point() and key in dict(state["replicas"][0]["model"]):
+            mass = sum(w * r["model"][key].double() for w, r in zip(weights, state["replicas"]))
+            assert torch.allclose(value.double(), mass / sum(weights), atol=1e-6), key
 
 
 # async with a straggler: the ranks drift apart and agree on the stop through remote memory

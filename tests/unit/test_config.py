@@ -20,6 +20,8 @@ from hsgd.train import parse_config
     (["--schedule", "step"], "--milestones"),
     (["--lr", "0"], "--lr"),
     (["--intra-period", "0"], "--intra-period"),
+    (["--gossip-theta=-0.5"], "--gossip-theta"),
+    (["--gossip-theta", "nan"], "--gossip-theta"),
     (["--straggler", "3"], "--straggler"),
     (["--straggler", "a:3"], "--straggler"),
     (["--straggler=-1:3"], "--straggler"),
@@ -40,6 +42,7 @@ def test_bad_flags_are_named(argv, flag):
     ["--optimizer", "lars", "--trust-coefficient", "0.02"],
     ["--straggler", "3:3"],
     ["--straggler", "0:1"],
+    ["--sync", "gossip", "--gossip-theta", "inf", "--gossip-graph", "ring"],
 ])
 def test_good_flags_pass(argv):
     assert parse_config(argv).validate() is None
