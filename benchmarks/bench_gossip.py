@@ -28,7 +28,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--thetas", type=float, nargs="+", default=[0.001, 0.003, 0.01, 0.03, 0.1])
+    p.add_argument("--thetas", type=float, nargs="+", default=[0.03, 0.1, 0.3])
     p.add_argument("--graph", default="exponential")
     p.add_argument("--cache-dir", default=None, help="where MNIST-1D is generated (default: a temp dir)")
     args, extra = p.parse_known_args(argv)

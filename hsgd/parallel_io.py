@@ -59,14 +59,14 @@ Example::
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 
 from ._engine.agree import agree, check_all
 from ._engine.checks import check_int
 from ._io.loader_setup import check_settings_agree, loader_block_size, open_checked, scan_labels
-from ._io.plan import EpochPlan, default_block_size, plan_epoch, rank_range, shard_range
+from ._io.plan import EpochPlan, check_shares, default_block_size, plan_epoch, rank_range, shard_range
 from ._io.prefetch import Prefetcher, iter_windows
 from .errors import InputError, InputValueError
 
@@ -147,7 +147,7 @@ class ContiguousH5Loader:
         except Exception:
             self._close_source()
             raise
-        self._epoch, self._position, self._active = 0, 0, None
+        self._epoch, self._position, self._active, self._shares = 0, 0, None, None
         logger.debug("rank %d: %s samples of %s, block %d, %d batches per epoch",
                      self.rank, self.num_samples, path, self.block_size, len(self))
 
@@ -167,18 +167,48 @@ class ContiguousH5Loader:
                 "drop_last": bool(self.drop_last), "pad": bool(self.pad),
                 "window_blocks": self.window_blocks}
 
+    @property
+    def shares(self) -> Optional[List[int]]:
+        """Per-rank batch sizes set by :meth:`set_shares`, or ``None``: ``batch_size`` on every rank."""
+        return None if self._shares is None else list(self._shares)
+
+    @property
+    def rank_batch_size(self) -> int:
+        """This rank's batch size: its share, or ``batch_size``."""
+        return self.batch_size if self._shares is None else self._shares[self.rank]
+
+    def set_shares(self, shares: Optional[Sequence[int]]) -> None:
+        """From the next epoch on, rank ``r`` takes ``shares[r]`` samples per batch (load balancing).
+
+        Call it on every rank with the same list, between epochs (position
+        0). The global batch must stay ``world_size * batch_size``, so every
+        rank keeps the same number of batches; ``None`` goes back to equal
+        batches. Part of :meth:`state_dict`. Local: no communication.
+        """
+        if shares is not None:
+            check_shares(shares, self.world_size)
+            if sum(shares) != self.world_size * self.batch_size:
+                raise InputValueError(f"batch shares {list(shares)} sum to {sum(shares)}; they must keep the "
+                                      f"global batch of {self.world_size * self.batch_size}")
+            if not self.pad:
+                raise InputValueError("batch shares need pad=True (equal batch counts on every rank)")
+        if self._position != 0:
+            raise InputValueError(f"set_shares between epochs only (position is {self._position})")
+        self._stop_active()
+        self._shares = None if shares is None else [int(b) for b in shares]
+
     def plan(self, epoch: Optional[int] = None) -> EpochPlan:
         """This rank's :class:`EpochPlan` for ``epoch`` (default: the current one)."""
         return plan_epoch(self.num_samples, self.world_size, self.rank, self.batch_size,
                           self.block_size, self.seed, self._epoch if epoch is None else epoch,
                           self.drop_last, shuffle=self.shuffle, pad=self.pad,
-                          window_blocks=self.window_blocks)
+                          window_blocks=self.window_blocks, shares=self._shares)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank; the same on every rank unless ``pad=False``."""
         _, count = rank_range(self.num_samples, self.world_size, self.rank,
-                              self.batch_size, self.drop_last, self.pad)
-        return -(-count // self.batch_size)
+                              self.batch_size, self.drop_last, self.pad, self._shares)
+        return -(-count // self.rank_batch_size)
 
     def set_epoch(self, epoch: int, position: Optional[int] = None) -> None:
         """Select the epoch to iterate next, from batch ``position``.
@@ -199,8 +229,9 @@ class ContiguousH5Loader:
             self._epoch, self._position = int(epoch), int(position)
 
     def state_dict(self) -> dict:
-        """Epoch, batches handed out, and the settings that fix the order."""
-        return {"epoch": self._epoch, "position": self._position, **self._settings()}
+        """Epoch, batches handed out, batch shares, and the settings that fix the order."""
+        return {"epoch": self._epoch, "position": self._position, "shares": self.shares,
+                **self._settings()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where ``state`` left off: the remaining batches of its epoch, in order."""
@@ -211,6 +242,8 @@ class ContiguousH5Loader:
             raise InputValueError("cannot resume the same sample order: the state was saved with "
                                   + ", ".join(differ) + "; build the loader with the saved settings")
         self._stop_active()
+        self._position = 0
+        self.set_shares(state.get("shares"))
         self.set_epoch(state["epoch"], state["position"])
 
     def __iter__(self):

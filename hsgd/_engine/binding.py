@@ -124,6 +124,13 @@ class SlotBinding:
                 else:
                     self._current(p).copy_(view)
 
+    def scale_(self, factor: float) -> None:
+        """Multiply the gathered values in the slot by ``factor`` (not a use of any parameter)."""
+        with torch.no_grad():
+            for view in self.views:
+                view.mul_(factor)
+        self._versions = [view._version for view in self.views]
+
     def zero_(self, set_to_none: bool = False) -> None:
         """Zero all bound gradients; CPU ones stay views into the slot."""
         for seg in range(len(self.averager.layout.dtypes)):

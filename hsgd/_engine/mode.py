@@ -22,9 +22,10 @@ averagings, so that evaluation and checkpoints must average them),
 step and a caller may add collectives between steps) and
 ``config_fields`` (the trainer's config fields it takes), and implements
 ``_check`` and ``_step``. A family with another engine than the shared
-window (the parameter box of :mod:`hsgd.remote`) overrides ``_build`` and
-``_teardown``, and ``shared_state_dict`` / ``load_shared_state_dict`` (the
-model the trainer evaluates, saves and resumes). Nothing outside a mode
+window (the parameter box of :mod:`hsgd.remote`, gossip in
+:mod:`hsgd.gossip`) overrides ``_build``, ``_teardown`` and
+``_route_phases``, and ``shared_state_dict`` / ``load_shared_state_dict``
+(the model the trainer evaluates, saves and resumes). Nothing outside a mode
 branches on its name.
 """
 

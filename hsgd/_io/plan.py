@@ -49,7 +49,7 @@ import torch
 from .._engine.checks import check_int
 from ..errors import InputValueError
 
-__all__ = ["EpochPlan", "plan_epoch", "rank_range", "shard_range",
+__all__ = ["EpochPlan", "plan_epoch", "rank_range", "shard_range", "check_shares",
            "default_block_size", "default_window_blocks", "DEFAULT_BLOCK_BYTES"]
 
 DEFAULT_BLOCK_BYTES = 4 << 20
@@ -102,33 +102,53 @@ def _check_counts(num_samples, world_size, batch_size) -> None:
 
 
 def rank_range(num_samples: int, world_size: int, rank: int, batch_size: int,
-               drop_last: bool = True, pad: bool = True) -> Tuple[int, int]:
+               drop_last: bool = True, pad: bool = True, shares=None) -> Tuple[int, int]:
     """Rank ``rank``'s ``(start, count)`` in the epoch's sample stream.
 
     ``drop_last=True``: ``count = (N // (W * B)) * B`` on every rank.
     ``drop_last=False``: ``count = ceil(N / (W * B)) * B`` on every rank; the
     stream wraps around. Both need ``N >= W * B``. ``pad=False`` (only with
     ``drop_last=False``): :func:`shard_range`, every sample exactly once.
+    ``shares``: one batch size per rank instead of ``B`` on every rank (load
+    balancing); the global batch is ``sum(shares)``, and every rank still has
+    the same number of batches, ``N // sum(shares)`` (or its ceiling).
     """
     _check_counts(num_samples, world_size, batch_size)
     if not 0 <= rank < world_size:
         raise InputValueError(f"Invalid rank: {rank}; it must be in [0, {world_size})")
+    if shares is not None:
+        check_shares(shares, world_size)
+        if not pad:
+            raise InputValueError("per-rank batch shares need pad=True (equal batch counts on every rank)")
     if not pad:
         if drop_last:
             raise InputValueError("pad=False only applies with drop_last=False; "
                                   "set drop_last=False for an every-sample-once pass")
         start, stop = shard_range(num_samples, world_size, rank)
         return start, stop - start
-    global_batch = world_size * batch_size
+    if shares is None:
+        shares = [batch_size] * world_size
+        global_batch = world_size * batch_size
+        if num_samples < global_batch:
+            raise InputValueError(
+                f"{num_samples} samples are fewer than world_size x batch_size = "
+                f"{world_size} x {batch_size} = {global_batch} needed for one batch "
+                f"per rank; use batch_size <= {num_samples // world_size} or fewer ranks")
+    global_batch = sum(shares)
     if num_samples < global_batch:
-        raise InputValueError(
-            f"{num_samples} samples are fewer than world_size x batch_size = "
-            f"{world_size} x {batch_size} = {global_batch} needed for one batch "
-            f"per rank; use batch_size <= {num_samples // world_size} or fewer ranks")
+        raise InputValueError(f"{num_samples} samples are fewer than the {global_batch} of one "
+                              f"batch per rank with batch shares {list(shares)}")
     batches = (num_samples // global_batch if drop_last
                else -(-num_samples // global_batch))
-    count = batches * batch_size
-    return rank * count, count
+    return batches * sum(shares[:rank]), batches * shares[rank]
+
+
+def check_shares(shares, world_size: int) -> None:
+    """Per-rank batch sizes: one positive integer per rank."""
+    if len(shares) != world_size or any(isinstance(b, bool) or not isinstance(b, (int, np.integer))
+                                        or b < 1 for b in shares):
+        raise InputValueError(f"Invalid batch shares {list(shares)!r}: give one positive integer "
+                              f"per rank ({world_size} ranks)")
 
 
 def _block_order(num_samples, block_size, shuffle, seed, epoch):
@@ -246,7 +266,7 @@ class EpochPlan:
 def plan_epoch(num_samples: int, world_size: int, rank: int, batch_size: int,
                block_size: int, seed: int = 0, epoch: int = 0, drop_last: bool = True,
                *, shuffle: bool = True, pad: bool = True,
-               window_blocks: int = 4) -> EpochPlan:
+               window_blocks: int = 4, shares=None) -> EpochPlan:
     """Plan rank ``rank``'s reads and sample order for ``epoch`` (module docstring).
 
     Example::
@@ -258,7 +278,8 @@ def plan_epoch(num_samples: int, world_size: int, rank: int, batch_size: int,
     for name, value, minimum in (("block_size", block_size, 1), ("window_blocks", window_blocks, 1),
                                  ("seed", seed, 0), ("epoch", epoch, 0)):
         check_int(name, value, minimum)
-    start, count = rank_range(num_samples, world_size, rank, batch_size, drop_last, pad)
+    start, count = rank_range(num_samples, world_size, rank, batch_size, drop_last, pad, shares)
+    batch_size = batch_size if shares is None else int(shares[rank])
     order, offset = _block_order(num_samples, block_size, shuffle, seed, epoch)
     segments = _stream_segments(num_samples, block_size, order, offset, start, count)
     bounds = np.unique(np.r_[np.arange(0, len(segments), window_blocks), len(segments)])

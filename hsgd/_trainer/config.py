@@ -49,7 +49,8 @@ class TrainConfig:
     test_x_key: str = _opt("x_test", "data set of test inputs")
     test_y_key: str = _opt("y_test", "data set of test labels")
     cache_dir: str = _opt(None, "where the default MNIST-1D file is generated (env HSGD_CACHE_DIR)")
-    mnist1d_samples: int = _opt(40000, "training samples of the generated MNIST-1D (test: 1000)")
+    mnist1d_samples: int = _opt(40000, "training samples of the generated MNIST-1D, plus a quarter as many "
+                                         "test samples (10000 for 40000)")
     # --- model and optimizer ---
     model: str = _opt("cnn", "mlp | cnn (1-D signals) | resnet (images)", choices=list(MODELS))
     optimizer: str = _opt("adamw", "sgd | lars | adamw", choices=["sgd", "lars", "adamw"])

@@ -4,7 +4,9 @@ Launched by ``tests/e2e/test_mpi_driver.py`` as
 ``mpiexec -n N python -m mpi4py -m pytest tests/mpi``. A test that fails on
 one rank while the others wait in a collective would hang the job, so a
 failure prints its report and aborts the whole MPI job at once; the driver's
-timeout catches anything else.
+timeout catches anything else. At the end the ranks compare which tests they
+ran and how each ended (a test skipped on one rank only, or collected by one
+rank only, fails the session on every rank).
 """
 
 import sys
@@ -12,11 +14,15 @@ import sys
 import pytest
 from mpi4py import MPI
 
+_outcomes = {}  # test id -> "passed" / "skipped", on this rank
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    if report.when == "call" or report.skipped:
+        _outcomes[item.nodeid] = report.outcome
     if report.failed:
         rank = MPI.COMM_WORLD.Get_rank()
         sys.stderr.write(f"\n[rank {rank}] FAILED {item.nodeid}\n{report.longreprtext}\n")
@@ -27,3 +33,16 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture
 def comm():
     return MPI.COMM_WORLD
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Every rank must have run the same tests with the same outcomes (rank 0's, for reference)."""
+    comm = MPI.COMM_WORLD
+    mine = sorted(_outcomes.items())
+    reference = comm.bcast(mine, root=0)
+    if not comm.allreduce(mine == reference, op=MPI.LAND):
+        if mine != reference:
+            differ = sorted(set(mine) ^ set(reference))
+            sys.stderr.write(f"\n[rank {comm.Get_rank()}] ran other tests, or with other outcomes, "
+                             f"than rank 0: {differ[:20]}\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

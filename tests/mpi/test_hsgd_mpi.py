@@ -376,3 +376,31 @@ def test_a_single_node_sends_nothing_across_nodes(comm):
                                                          model, topology=t), model, topo, steps=2)
     k = comm.size
     assert total == {"inter_bytes": 0, "intra_bytes": 2 * 2 * (k - 1) * n}, total
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_uneven_batches_weighted_by_size_equal_single_process(comm, opt_name):
+    """Load balancing's averaging: rank r takes a batch of its own size (not equal); with
+    sample_weight = b_r * world / B the training equals the global batch on one process."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x, y = fixed_batch(torch.float64)
+    shares = [2 * (r + 1) for r in range(size)]  # uneven, summing to less than the batch
+    shares[-1] += x.shape[0] - sum(shares)  # the global batch unchanged
+    first = sum(shares[:rank])
+    mine_x, mine_y = x[first:first + shares[rank]], y[first:first + shares[rank]]
+    model = mlp(torch.float64)
+    with HierarchicalSGD(OPTIMIZERS[opt_name](model.parameters()), model) as opt:
+        opt.sample_weight = shares[rank] * size / x.shape[0]
+        for _ in range(STEPS):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(mine_x), mine_y).backward()
+            opt.step()
+        assert_params_close(model, reference(torch.float64, OPTIMIZERS[opt_name]), torch.float64)
+
+
+def test_sample_weight_must_be_positive(comm):
+    model = mlp(torch.float64)
+    with HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model) as opt:
+        for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
+            with pytest.raises(ValueError, match="sample_weight"):
+                opt.sample_weight = bad

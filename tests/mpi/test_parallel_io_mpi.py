@@ -139,3 +139,28 @@ def test_one_rank_with_a_bad_input_does_not_hang_the_others(shared_dir):
         assert_same_error_everywhere(
             lambda: ContiguousH5Loader(good, batch_size=2 if RANK == last else 1),
             "ValueError", f"batch_size: rank 0 has 1, rank {last} has 2")
+
+
+def test_batch_shares_split_each_global_batch_by_rank(shared_dir):
+    """set_shares: rank r gets shares[r] samples per batch; together the ranks' batches
+    are the same global batches, with the same count on every rank; state_dict keeps them."""
+    n, batch = 263, 4
+    x, y = data(n)
+    path = write_on_root(shared_dir / "shares.h5", x=x, y=y)
+    with ContiguousH5Loader(path, batch_size=batch, comm=COMM, return_indices=True) as loader:
+        equal = [idx for _, _, idx in loader]  # epoch 0, equal batches
+    with ContiguousH5Loader(path, batch_size=batch, comm=COMM, return_indices=True) as loader:
+        shares = [1 + r for r in range(SIZE)]
+        shares[0] += batch * SIZE - sum(shares)
+        loader.set_shares(shares)
+        assert loader.rank_batch_size == shares[RANK] and len(loader) == len(equal)
+        shared = [idx for _, _, idx in loader]  # epoch 0, uneven batches
+        assert len(shared) == len(equal) and all(len(idx) == shares[RANK] for idx in shared)
+        every = np.concatenate(COMM.allgather(np.concatenate(shared)))
+        whole = np.concatenate(COMM.allgather(np.concatenate(equal)))
+        assert len(np.unique(every)) == len(every)  # no sample twice
+        assert np.array_equal(np.sort(every), np.sort(whole))  # the epoch's samples, split otherwise
+        state = loader.state_dict()
+        assert state["shares"] == shares
+        with pytest.raises(Exception, match="sum to"):
+            loader.set_shares([s + 1 for s in shares])
