@@ -33,6 +33,9 @@ from typing import List, Sequence
 import numpy as np
 import torch
 
+from ..errors import InputTypeError
+from .agree import collective_error
+
 __all__ = ["SlotBinding", "FlatSlot"]
 
 
@@ -47,12 +50,21 @@ def _own_tensor(segment: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
 
 class FlatSlot:
     """A flat private CPU buffer that :class:`SlotBinding` binds ``params`` to (one segment, no
-    padding), for the modes that keep each rank's parameters outside the shared window."""
+    padding), for the modes that keep each rank's parameters outside the shared window.
 
-    def __init__(self, params, dtype):
+    All of ``params`` must share one dtype, float32 or float64; else ``who``
+    (the mode) raises an agreed ``InputTypeError`` (the dtypes match on every rank).
+    """
+
+    def __init__(self, params, who: str):
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float64):
+            raise collective_error(InputTypeError, f"{who} needs all trainable parameters in one of "
+                                   f"float32 or float64, got {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
         offsets = np.cumsum([0] + [p.numel() for p in params])
-        self.buffer = torch.zeros(int(offsets[-1]), dtype=dtype)
-        self.layout = SimpleNamespace(places=[(0, int(o)) for o in offsets[:-1]], dtypes=[dtype])
+        self.buffer = torch.zeros(int(offsets[-1]), dtype=self.dtype)
+        self.layout = SimpleNamespace(places=[(0, int(o)) for o in offsets[:-1]], dtypes=[self.dtype])
 
     def own(self, segment: int) -> torch.Tensor:
         return self.buffer

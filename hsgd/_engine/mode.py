@@ -209,6 +209,10 @@ class SyncMode:
         """
         return averaged_state_dict(self.model, self.topology.comm)
 
+    def _trained_names(self):
+        """Names of the trainable parameters, in the order of ``model.parameters()`` (the bound ones)."""
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+
     def load_shared_state_dict(self, state_dict: dict) -> None:
         """After the model was loaded from a checkpoint, set any state the mode keeps besides
         the replicas from ``state_dict`` (what :meth:`shared_state_dict` returned). Collective."""

@@ -126,18 +126,16 @@ def rank_range(num_samples: int, world_size: int, rank: int, batch_size: int,
                                   "set drop_last=False for an every-sample-once pass")
         start, stop = shard_range(num_samples, world_size, rank)
         return start, stop - start
-    if shares is None:
-        shares = [batch_size] * world_size
-        global_batch = world_size * batch_size
-        if num_samples < global_batch:
-            raise InputValueError(
-                f"{num_samples} samples are fewer than world_size x batch_size = "
-                f"{world_size} x {batch_size} = {global_batch} needed for one batch "
-                f"per rank; use batch_size <= {num_samples // world_size} or fewer ranks")
+    uniform = shares is None
+    shares = [batch_size] * world_size if uniform else list(shares)
     global_batch = sum(shares)
     if num_samples < global_batch:
-        raise InputValueError(f"{num_samples} samples are fewer than the {global_batch} of one "
-                              f"batch per rank with batch shares {list(shares)}")
+        raise InputValueError(
+            f"{num_samples} samples are fewer than world_size x batch_size = "
+            f"{world_size} x {batch_size} = {global_batch} needed for one batch "
+            f"per rank; use batch_size <= {num_samples // world_size} or fewer ranks" if uniform else
+            f"{num_samples} samples are fewer than the {global_batch} of one batch per rank with "
+            f"batch shares {shares}")
     batches = (num_samples // global_batch if drop_last
                else -(-num_samples // global_batch))
     return batches * sum(shares[:rank]), batches * shares[rank]

@@ -51,12 +51,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._engine.agree import collective_error
 from .._engine.binding import FlatSlot, SlotBinding
 from .._engine.checks import check_choice, check_int
 from .._engine.mode import SyncMode
 from .._engine.traffic import Traffic
-from ..errors import InputTypeError, InputValueError
+from ..errors import InputValueError
 from .graphs import GRAPHS, make_graph
 
 __all__ = ["GossipSGD", "DEFAULT_THETA"]
@@ -108,13 +107,9 @@ class GossipSGD(SyncMode):
 
     # --- engine -------------------------------------------------------------------------------
     def _build(self, params, inter_node) -> None:
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _MPI_TYPES:
-            raise collective_error(InputTypeError, f"GossipSGD needs all trainable parameters in one of "
-                                   f"float32 or float64, got {sorted(map(str, dtypes))}")
         topo = self.topology
-        self._mpi_type = _MPI_TYPES[dtypes.pop()]
-        self._slot = FlatSlot(params, params[0].dtype)
+        self._slot = FlatSlot(params, "GossipSGD")
+        self._mpi_type = _MPI_TYPES[self._slot.dtype]
         self._binding = SlotBinding(self._slot, params, "data")
         self.local = self._slot.buffer  # x: this rank's model, the parameters are views into it
         self.sent = self.local.clone()  # x_sent
@@ -158,7 +153,7 @@ class GossipSGD(SyncMode):
         """Whether this rank's model moved enough since its last send to send it now."""
         if self.theta == 0:
             return True
-        moved = torch.linalg.vector_norm(self.local - self.sent).item()
+        moved = torch.dist(self.local, self.sent).item()
         return moved > self.theta * torch.linalg.vector_norm(self.sent).item()
 
     def _round(self, outs, ins) -> None:
@@ -179,7 +174,9 @@ class GossipSGD(SyncMode):
             head = np.empty(2)
             comm.Recv([head, MPI.DOUBLE], source=peer, tag=_HEADER)
             if head[0]:
-                buf = self._inbox.setdefault(peer, torch.empty_like(x))
+                buf = self._inbox.get(peer)
+                if buf is None:
+                    buf = self._inbox[peer] = torch.empty_like(x)
                 comm.Recv([buf.numpy(), self._mpi_type], source=peer, tag=_MODEL)
                 received.append((buf, float(head[1])))
         MPI.Request.Waitall(requests)  # x is read by the sends until here
@@ -214,12 +211,9 @@ class GossipSGD(SyncMode):
         """The model with the consensus as its parameters (buffers averaged). Collective."""
         state = super().shared_state_dict()
         flat = self.consensus()
-        for (name, p), (_, off) in zip(self._trained(), self._slot.layout.places):
+        for name, p, (_, off) in zip(self._trained_names(), self._binding.params, self._slot.layout.places):
             state[name] = flat[off:off + p.numel()].view(p.shape).to(p.dtype)
         return state
-
-    def _trained(self):
-        return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
 
     def state_dict(self) -> dict:
         """The inner optimizer's state, the step count, and this rank's push-sum weight and ``x_sent``."""

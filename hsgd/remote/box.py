@@ -40,11 +40,10 @@ from typing import List
 
 import torch
 
-from .._engine.agree import collective_error
 from .._engine.binding import FlatSlot, SlotBinding
 from .._engine.checks import check_int
 from .._engine.mode import SyncMode
-from ..errors import InputTypeError, InputValueError
+from ..errors import InputValueError
 from .memory import RemoteMemory
 
 __all__ = ["ElasticSGD", "AsyncSGD", "BoxMode"]
@@ -63,16 +62,12 @@ class BoxMode(SyncMode):
     lockstep = False  # step() waits for nobody: ranks drift apart
 
     def _build(self, params, inter_node) -> None:
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float64):
-            raise collective_error(InputTypeError, f"{type(self).__name__} needs all trainable parameters "
-                                   f"in one of float32 or float64, got {sorted(map(str, dtypes))}")
-        dtype = dtypes.pop()
-        self._slot = FlatSlot(params, dtype)
+        self._slot = FlatSlot(params, type(self).__name__)
         self._binding = SlotBinding(self._slot, params, "data")  # copies the values in, binds views
         self.local = self._slot.buffer  # W_x
         try:
-            self.box = RemoteMemory(self.topology.comm, self.local.numel(), dtype=dtype, topology=self.topology)
+            self.box = RemoteMemory(self.topology.comm, self.local.numel(), dtype=self._slot.dtype,
+                                    topology=self.topology)
         except BaseException:
             self._binding.unbind()
             raise
@@ -120,9 +115,6 @@ class BoxMode(SyncMode):
     def _finish_round(self) -> None:
         """Complete this rank's pending accumulate into ``W_g``, if any."""
         self.box.accumulate_wait()
-
-    def _trained_names(self) -> List[str]:
-        return [name for name, p in self.model.named_parameters() if p.requires_grad]
 
     def shared_state_dict(self) -> dict:
         """The model with ``W_g`` as its parameters (buffers averaged over ranks). Collective.
