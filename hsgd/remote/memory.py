@@ -60,62 +60,21 @@ its arguments on every rank and agrees, so a bad value raises the same
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._engine.agree import agree, collective_error
-from .._engine.checks import check_int
 from .._engine.traffic import Traffic
-from ..errors import InputError, InputTypeError, InputValueError
 from ..topology import Topology
+from .control import ControlWords
+from .layout import DTYPES, agree_owners, pieces, shard_bounds
 
 __all__ = ["RemoteMemory", "DTYPES", "DEFAULT_CHUNK_BYTES"]
 
-#: The element types a region can hold (``MPI_Accumulate`` sums them natively).
-DTYPES = {
-    torch.float32: (np.float32, MPI.FLOAT),
-    torch.float64: (np.float64, MPI.DOUBLE),
-    torch.int32: (np.int32, MPI.INT32_T),
-    torch.int64: (np.int64, MPI.INT64_T),
-}
-
 DEFAULT_CHUNK_BYTES = 4 << 20
-
-_VERSION, _LOCK = 0, 1  # int64 words of the control window on owners[0]
-_FREE = 0
-_BACKOFF_S = (20e-6, 2e-3)  # first and longest wait between tries for a held lock
-
-
-def _word(value: int) -> list:
-    """One int64 of the control window, as an mpi4py buffer spec."""
-    return [np.array([value], dtype=np.int64), MPI.INT64_T]
-
-
-def _check_args(comm, numel, dtype, owners, chunk_bytes) -> Tuple[int, ...]:
-    check_int("numel", numel, minimum=1)
-    if dtype not in DTYPES:
-        raise InputTypeError(f"dtype must be one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
-    check_int("chunk_bytes", chunk_bytes, minimum=torch.empty(0, dtype=dtype).element_size())
-    size = comm.Get_size()
-    if owners is None:
-        return ()
-    if isinstance(owners, (str, bytes)) or not isinstance(owners, Sequence):
-        raise InputTypeError(f"owners must be a sequence of ranks or None, got {type(owners).__name__}")
-    if not owners:
-        raise InputValueError("owners must name at least one rank (or be None: one owner per node)")
-    for rank in owners:
-        check_int("each of owners", rank, minimum=0)
-        if rank >= size:
-            raise InputValueError(f"owners holds rank {rank}, but the communicator has {size} ranks")
-    if len(set(owners)) != len(owners):
-        raise InputValueError(f"owners lists a rank twice: {list(owners)}")
-    return tuple(sorted(int(r) for r in owners))
-
 
 class RemoteMemory:
     """A region of ``numel`` elements of ``dtype``, sharded over ``owners``. Collective.
@@ -137,33 +96,12 @@ class RemoteMemory:
     def __init__(self, comm, numel: int, dtype=torch.float32, owners: Optional[Sequence[int]] = None,
                  *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, topology: Optional[Topology] = None):
         self._closed = True
-        error = None
-        try:
-            owners = _check_args(comm, numel, dtype, owners, chunk_bytes)
-        except InputError as exc:
-            error = exc
-        agree(comm, error)
-        mine = (int(numel), str(dtype), owners, int(chunk_bytes))
-        if len(set(comm.allgather(mine))) > 1:
-            raise collective_error(InputValueError, "ranks were given different RemoteMemory arguments "
-                                   "(numel, dtype, owners, chunk_bytes); pass the same on every rank")
-        own_topology = topology is None
-        topo = Topology.from_comm(comm) if own_topology else topology
-        try:
-            node_ranks = set(topo.node_comm.allgather(comm.Get_rank()))
-            if not owners:
-                owners = tuple(sorted(r for r in comm.allgather(comm.Get_rank() if topo.is_leader else None)
-                                      if r is not None))
-        finally:
-            if own_topology:
-                topo.close()
+        owners, node_ranks = agree_owners(comm, numel, dtype, owners, chunk_bytes, topology)
         self.comm, self.numel, self.dtype, self.owners = comm, int(numel), dtype, owners
         self._np_dtype, self._mpi_type = DTYPES[dtype]
         self.itemsize = np.dtype(self._np_dtype).itemsize
         self._chunk = max(1, int(chunk_bytes) // self.itemsize)
-        base, extra = divmod(self.numel, len(owners))
-        bounds = np.cumsum([0] + [base + (i < extra) for i in range(len(owners))])
-        self._starts = bounds  # owners[i] holds elements [bounds[i], bounds[i + 1])
+        self._starts = bounds = shard_bounds(self.numel, len(owners))  # owners[i]: [bounds[i], bounds[i + 1])
         rank = comm.Get_rank()
         self._local = {owner for owner in owners if owner in node_ranks}
         self.traffic = Traffic()
@@ -172,21 +110,16 @@ class RemoteMemory:
         info = MPI.Info.Create()
         info.update({"accumulate_ordering": "none", "same_disp_unit": "true"})
         self._win = MPI.Win.Allocate(shard * self.itemsize, self.itemsize, info, comm)
-        self._ctl = MPI.Win.Allocate(16 if rank == owners[0] else 0, 8, info, comm)
+        self._ctl = ControlWords(comm, owners[0], info)
         info.Free()
-        for win in (self._win, self._ctl):
-            win.Lock_all(MPI.MODE_NOCHECK)
+        self._win.Lock_all(MPI.MODE_NOCHECK)
         # Zero the own shard (Win.Allocate does not), then make it visible to all.
         if shard:
             np.frombuffer(self._win.tomemory(), dtype=self._np_dtype)[:] = 0
-        if rank == owners[0]:
-            np.frombuffer(self._ctl.tomemory(), dtype=np.int64)[:] = 0
-        for win in (self._win, self._ctl):
-            win.Sync()
+        self._win.Sync()
         comm.Barrier()
         self._direct = {owner: view for owner in self._local
                         if (view := self._shared_view(owner)) is not None}
-        self._held = False
         self._pending: Optional[Tuple[np.ndarray, List[int]]] = None
         self._closed = False
 
@@ -226,18 +159,6 @@ class RemoteMemory:
         return offset
 
     # --- the pieces of a transfer ---------------------------------------------------------
-    def _pieces(self, offset: int, count: int) -> Iterator[Tuple[int, int, int, int]]:
-        """``(owner, first, stop, disp)``: elements [first, stop) of the transfer go to ``disp`` of ``owner``."""
-        index = int(np.searchsorted(self._starts, offset, side="right")) - 1
-        done = 0
-        while done < count:
-            start, stop = int(self._starts[index]), int(self._starts[index + 1])
-            take = min(count - done, stop - (offset + done))
-            if take > 0:
-                yield self.owners[index], done, done + take, offset + done - start
-                done += take
-            index += 1
-
     def _count(self, owner: int, nelem: int) -> None:
         nbytes = nelem * self.itemsize
         if owner in self._local:
@@ -258,11 +179,6 @@ class RemoteMemory:
             if flush:
                 self._win.Flush(owner)
 
-    def _bump_version(self) -> None:
-        one = _word(1)
-        self._ctl.Accumulate(one, self.owners[0], (_VERSION, 1, MPI.INT64_T), MPI.SUM)
-        self._ctl.Flush(self.owners[0])
-
     # --- the operations ------------------------------------------------------------------------
     def write(self, offset: int, tensor: torch.Tensor) -> None:
         """Store ``tensor`` (flattened) into elements ``[offset, offset + tensor.numel())``.
@@ -272,7 +188,7 @@ class RemoteMemory:
         """
         offset = self._check_transfer("write", offset, tensor)
         src = tensor.detach().reshape(-1).cpu().contiguous().numpy()
-        for owner, first, stop, disp in self._pieces(offset, src.size):
+        for owner, first, stop, disp in pieces(self._starts, self.owners, offset, src.size):
             view = self._direct.get(owner)
             if view is not None:
                 view[disp:disp + stop - first] = src[first:stop]
@@ -280,7 +196,7 @@ class RemoteMemory:
             else:
                 self._rma("put", owner, src[first:stop], disp)
             self._count(owner, stop - first)
-        self._bump_version()
+        self._ctl.bump_version()
 
     def read(self, offset: int, out: torch.Tensor) -> torch.Tensor:
         """Fill ``out`` (any shape, this region's dtype) from elements ``[offset, offset + out.numel())``."""
@@ -288,7 +204,7 @@ class RemoteMemory:
         flat = out.detach().reshape(-1)
         direct = out.device.type == "cpu" and flat.is_contiguous() and flat.data_ptr() == out.data_ptr()
         dst = flat.numpy() if direct else np.empty(flat.numel(), dtype=self._np_dtype)
-        for owner, first, stop, disp in self._pieces(offset, dst.size):
+        for owner, first, stop, disp in pieces(self._starts, self.owners, offset, dst.size):
             view = self._direct.get(owner)
             if view is not None:
                 self._win.Sync()
@@ -319,7 +235,7 @@ class RemoteMemory:
         self.accumulate_wait()
         src = tensor.detach().reshape(-1).cpu().contiguous().numpy()
         owners = []
-        for owner, first, stop, disp in self._pieces(offset, src.size):
+        for owner, first, stop, disp in pieces(self._starts, self.owners, offset, src.size):
             self._rma("accumulate", owner, src[first:stop], disp, flush=False)
             self._count(owner, stop - first)
             owners.append(owner)
@@ -334,16 +250,13 @@ class RemoteMemory:
         for owner in owners:
             self._win.Flush(owner)
         self._pending = None
-        self._bump_version()
+        self._ctl.bump_version()
 
     @property
     def version(self) -> int:
         """How many writes and accumulates (by any rank) have completed so far."""
         self._check_open()
-        zero, result = _word(0), _word(0)
-        self._ctl.Fetch_and_op(zero, result, self.owners[0], _VERSION, MPI.NO_OP)
-        self._ctl.Flush(self.owners[0])
-        return int(result[0][0])
+        return self._ctl.version()
 
     # --- the lock ---------------------------------------------------------------------------------
     @contextmanager
@@ -355,34 +268,12 @@ class RemoteMemory:
         ``RuntimeError``. It excludes only other holders of this lock, not
         plain :meth:`write`/:meth:`read`/:meth:`accumulate` calls.
         """
-        self._acquire()
+        self._check_open()
+        self._ctl.acquire()
         try:
             yield self
         finally:
-            self._release()
-
-    def _acquire(self) -> None:
-        self._check_open()
-        if self._held:
-            raise RuntimeError("this rank already holds the RemoteMemory lock (it is not re-entrant)")
-        me, free, result = _word(self.comm.Get_rank() + 1), _word(_FREE), _word(0)
-        wait, root = _BACKOFF_S[0], self.owners[0]
-        while True:
-            self._ctl.Compare_and_swap(me, free, result, root, _LOCK)
-            self._ctl.Flush(root)
-            if result[0][0] == _FREE:
-                break
-            time.sleep(wait)
-            wait = min(2 * wait, _BACKOFF_S[1])
-        self._held = True
-
-    def _release(self) -> None:
-        me, free, result = _word(self.comm.Get_rank() + 1), _word(_FREE), _word(0)
-        self._ctl.Compare_and_swap(free, me, result, self.owners[0], _LOCK)
-        self._ctl.Flush(self.owners[0])
-        self._held = False
-        if result[0][0] != me[0][0]:
-            raise RuntimeError(f"the RemoteMemory lock was not held by this rank (holder word {result[0][0]})")
+            self._ctl.release()
 
     # --- life cycle ---------------------------------------------------------------------------------
     @property
@@ -407,9 +298,9 @@ class RemoteMemory:
         self.accumulate_wait()
         self._closed = True
         self._direct.clear()
-        for win in (self._win, self._ctl):
-            win.Unlock_all()
-            win.Free()
+        self._win.Unlock_all()
+        self._win.Free()
+        self._ctl.free()
 
     def __enter__(self) -> RemoteMemory:
         return self

@@ -100,13 +100,14 @@ def test_lock_held_one_second_delays_the_others_one_to_two_seconds(comm):
     if comm.Get_size() == 1:
         pytest.skip("needs a second rank to wait")
     mem = RemoteMemory(comm, 8)
+    held = mem.lock()
     if rank == 0:
-        mem._acquire()
+        held.__enter__()
     start = time.monotonic()  # before the barrier: rank 0 sleeps after it, so waits are >= 1.05 s
     comm.Barrier()
     if rank == 0:
         time.sleep(1.05)
-        mem._release()
+        held.__exit__(None, None, None)
     else:
         with mem.lock():
             waited = time.monotonic() - start
@@ -119,10 +120,11 @@ def test_lock_is_not_reentrant_and_release_needs_the_holder(comm):
     mem = RemoteMemory(comm, 8)
     with mem.lock():
         with pytest.raises(RuntimeError, match="not re-entrant"):
-            mem._acquire()
+            with mem.lock():
+                pass
     comm.Barrier()
     with pytest.raises(RuntimeError, match="not held by this rank"):
-        mem._release()
+        mem._ctl.release()  # the lock word, released without holding it
     comm.Barrier()
     mem.close()
 
