@@ -4,6 +4,7 @@ One command::
 
     python benchmarks/bench_modes.py          # 4 ranks, sync/elastic/async: both tables
     python benchmarks/bench_modes.py --part straggler --ranks 2 --modes sync async
+    python benchmarks/bench_modes.py --part balance --batch-size 2048   # extra flags go to hsgd.train
 
 Every run is ``mpiexec -n RANKS python -m hsgd.train --sync MODE`` on the
 default MNIST-1D run (the CNN, AdamW, every other option at its default),
@@ -20,6 +21,11 @@ before the first timed run.
   averaged over the epochs); the table shows the medians over the repeats of
   the other ranks' mean pace and of the straggler's, and the others' pace
   with the straggler relative to without.
+- ``balance``: ``--sync sync --straggler 1:FACTOR`` without and with
+  ``--balance``, alternating, ``--repeats`` times, ``--straggler-epochs``
+  epochs each. Time per epoch is the median of the run's epoch records'
+  ``seconds`` (training and evaluation); the table shows its median over the
+  repeats, the speed-up, and the batch shares of the last balanced run's last epoch.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from pathlib import Path
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=["all", "accuracy", "straggler"], default="all")
+    p.add_argument("--part", choices=["all", "accuracy", "straggler", "balance"], default="all")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--epochs", type=int, default=30, help="epochs of the accuracy runs")
     p.add_argument("--modes", nargs="+", default=["sync", "elastic", "async"])
@@ -52,6 +58,8 @@ def main(argv=None):
             accuracy(train, args)
         if args.part in ("all", "straggler"):
             stragglers(train, args)
+        if args.part in ("all", "balance"):
+            balance(train, args)
 
 
 class Runs:
@@ -117,6 +125,26 @@ def stragglers(train, args) -> None:
         own = statistics.median(s for _, s in paces[mode, True])
         print(f"| {mode} | {alone:.1f} | {slowed:.1f} | {slowed / alone:.2f} | {own:.1f} | "
               f"{statistics.median(walls[mode, False]):.0f} | {statistics.median(walls[mode, True]):.0f} |")
+
+
+def balance(train, args) -> None:
+    options = ["--epochs", str(args.straggler_epochs), "--sync", "sync", "--straggler", f"1:{args.factor:g}"]
+    per_epoch = {False: [], True: []}
+    for _ in range(args.repeats):
+        for balanced in (False, True):
+            epochs, _ = train(*options, *(["--balance"] if balanced else []))
+            per_epoch[balanced].append(statistics.median(e["seconds"] for e in epochs))
+            shares = epochs[-1]["batch_shares"]
+    without, with_ = (statistics.median(per_epoch[b]) for b in (False, True))
+    print(f"Load balancing: --sync sync, rank 1 made {args.factor:g}x slower, {args.straggler_epochs} epochs "
+          f"per run, median of {args.repeats} runs each (alternating)\n")
+    print("| run | s per epoch (each run) | median | speed-up | batch shares, last epoch |")
+    print("|---|---|---|---|---|")
+    print(f"| without --balance | {' '.join(f'{t:.2f}' for t in per_epoch[False])} | {without:.2f} | 1.00 | "
+          f"equal |")
+    print(f"| --balance | {' '.join(f'{t:.2f}' for t in per_epoch[True])} | {with_:.2f} | "
+          f"{without / with_:.2f} | {shares} |")
+    print()
 
 
 if __name__ == "__main__":

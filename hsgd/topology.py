@@ -64,6 +64,7 @@ class Topology:
         comm: the world communicator the topology was built from.
         rank, size: this rank and the number of ranks in ``comm``.
         node_comm: the ranks of this (virtual) node, ordered by world rank.
+        node_ranks: their world ranks, in that order.
         local_rank, local_size: this rank's place in, and the size of, ``node_comm``.
         node_index, num_nodes: which node this is (0-based, ordered by the
             node's lowest world rank) and how many nodes there are.
@@ -77,9 +78,10 @@ class Topology:
     """
 
     def __init__(self, comm, node_comm, leader_comm, node_index: int,
-                 node_sizes: Tuple[int, ...], ranks_per_node: Optional[int]):
+                 node_sizes: Tuple[int, ...], ranks_per_node: Optional[int], node_ranks: Tuple[int, ...]):
         self.comm = comm
         self.node_comm = node_comm
+        self.node_ranks = tuple(node_ranks)
         self.leader_comm = leader_comm
         self.node_index = node_index
         self.node_sizes = tuple(node_sizes)
@@ -151,7 +153,8 @@ class Topology:
         else:
             node_index, node_sizes = None, None
         node_index, node_sizes = node_comm.bcast((node_index, node_sizes), root=0)
-        return cls(comm, node_comm, leader_comm, node_index, node_sizes, rpn)
+        return cls(comm, node_comm, leader_comm, node_index, node_sizes, rpn,
+                   node_comm.allgather(rank))
 
     def close(self) -> None:
         """Free the node and leader communicators. Collective; idempotent."""

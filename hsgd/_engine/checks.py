@@ -1,4 +1,5 @@
-"""Argument checks shared by every public entry point: one integer rule, one choice rule.
+"""Argument checks shared by every public entry point: one integer rule, one choice rule,
+and the per-rank batch shares of load balancing.
 
 Each raises :class:`~hsgd.errors.InputValueError` naming the argument, the
 value and what to pass instead, so that the messages read the same across
@@ -12,7 +13,7 @@ from typing import Iterable
 
 from ..errors import InputValueError
 
-__all__ = ["check_int", "check_choice"]
+__all__ = ["check_int", "check_choice", "check_shares"]
 
 
 def check_int(name: str, value, minimum: int = 1) -> int:
@@ -28,3 +29,11 @@ def check_choice(name: str, value, choices: Iterable[str]) -> str:
     if value not in choices:
         raise InputValueError(f"Invalid {name}: {value!r}; choose one of {choices}")
     return value
+
+
+def check_shares(shares, world_size: int) -> None:
+    """Per-rank batch sizes: one positive integer per rank."""
+    if isinstance(shares, (str, bytes)) or len(shares) != world_size or \
+            any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in shares):
+        raise InputValueError(f"Invalid batch shares {list(shares)!r}: give one positive integer "
+                              f"per rank ({world_size} ranks)")

@@ -19,7 +19,8 @@ A subclass sets ``name`` (its ``--sync`` choice in the trainer),
 ``bind``, ``replicas_differ`` (whether ranks' models differ between
 averagings, so that evaluation and checkpoints must average them),
 ``lockstep`` (whether ``step()`` is collective, so that the ranks run in
-step and a caller may add collectives between steps) and
+step and a caller may add collectives between steps), ``balances``
+(whether its averages weight ranks by :attr:`SyncMode.batch_shares`) and
 ``config_fields`` (the trainer's config fields it takes), and implements
 ``_check`` and ``_step``. A family with another engine than the shared
 window (the parameter box of :mod:`hsgd.remote`, gossip in
@@ -31,7 +32,7 @@ branches on its name.
 
 from __future__ import annotations
 
-from typing import ClassVar, Dict, Tuple
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,7 +44,7 @@ from ..topology import Topology
 from .agree import agree, collective_error
 from .averager import HierarchicalAverager
 from .binding import SlotBinding
-from .checks import check_choice
+from .checks import check_choice, check_shares
 
 __all__ = ["SyncMode"]
 
@@ -80,11 +81,13 @@ class SyncMode:
     bind: ClassVar[str] = "grad"
     replicas_differ: ClassVar[bool] = False
     lockstep: ClassVar[bool] = True
+    balances: ClassVar[bool] = False
     config_fields: ClassVar[Tuple[str, ...]] = ("inter_node",)
 
     def __init__(self, optimizer, model, *, topology=None, inter_node="leader",
                  broadcast=True, settings: Dict[str, object]):
         self._closed = True
+        self._shares, self._weights = None, {}
         self._own_topology = topology is None
         self.topology = Topology.from_comm() if topology is None else topology
         try:
@@ -221,6 +224,38 @@ class SyncMode:
     def traffic(self) -> Dict[str, int]:
         """Bytes this rank moved since construction: ``intra_bytes`` and ``inter_bytes``."""
         return self.averager.traffic.as_dict()
+
+    @property
+    def batch_shares(self) -> Optional[List[int]]:
+        """Per-rank batch sizes (load balancing, :class:`~hsgd.LoadBalancer`), or ``None``: equal.
+
+        With shares ``b``, an average over ranks weights rank ``r`` by ``b[r]``:
+        a gradient average is then ``sum(b_r g_r) / sum(b)``, exactly the
+        global batch's gradient when each ``g_r`` is the mean over the rank's
+        own batch; a node-level average (local SGD) weights by the node's
+        shares. Set the same list on every rank (no communication); only modes
+        with ``balances`` take it.
+        """
+        return None if self._shares is None else list(self._shares)
+
+    @batch_shares.setter
+    def batch_shares(self, shares: Optional[Sequence[int]]) -> None:
+        if not self.balances:
+            raise InputValueError(f"{type(self).__name__} does not weight ranks by batch size; "
+                                  f"batch shares need a mode with balances=True (HierarchicalSGD, "
+                                  f"HierarchicalLocalSGD)")
+        if shares is None:
+            self._shares, self._weights = None, {}
+            return
+        check_shares(shares, self.topology.size)
+        node = [shares[r] for r in self.topology.node_ranks]
+        mine = shares[self.topology.rank]
+        self._shares = [int(b) for b in shares]
+        self._weights = {"global": mine * len(shares) / sum(shares), "node": mine * len(node) / sum(node)}
+
+    def _weight(self, level: str) -> float:
+        """This rank's factor in a ``level`` average under :attr:`batch_shares` (1 without)."""
+        return self._weights.get(level, 1.0)
 
     # --- the step ----------------------------------------------------------------
     def step(self, closure=None):

@@ -46,10 +46,10 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
-from .._engine.checks import check_int
+from .._engine.checks import check_int, check_shares
 from ..errors import InputValueError
 
-__all__ = ["EpochPlan", "plan_epoch", "rank_range", "shard_range", "check_shares",
+__all__ = ["EpochPlan", "plan_epoch", "rank_range", "shard_range",
            "default_block_size", "default_window_blocks", "DEFAULT_BLOCK_BYTES"]
 
 DEFAULT_BLOCK_BYTES = 4 << 20
@@ -139,14 +139,6 @@ def rank_range(num_samples: int, world_size: int, rank: int, batch_size: int,
     batches = (num_samples // global_batch if drop_last
                else -(-num_samples // global_batch))
     return batches * sum(shares[:rank]), batches * shares[rank]
-
-
-def check_shares(shares, world_size: int) -> None:
-    """Per-rank batch sizes: one positive integer per rank."""
-    if len(shares) != world_size or any(isinstance(b, bool) or not isinstance(b, (int, np.integer))
-                                        or b < 1 for b in shares):
-        raise InputValueError(f"Invalid batch shares {list(shares)!r}: give one positive integer "
-                              f"per rank ({world_size} ranks)")
 
 
 def _block_order(num_samples, block_size, shuffle, seed, epoch):

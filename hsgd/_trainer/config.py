@@ -106,6 +106,9 @@ class TrainConfig:
                                        "--resume; none there: start afresh) or from a given file",
                                  nargs="?", const="latest")
     stop_after: int = _opt(0, "stop (with a checkpoint) after this many steps in this run; 0: no limit")
+    balance: bool = _opt(False, "load balancing: per-rank batch sizes that make every rank's step take "
+                                "equally long (a warm-up, then re-measured every epoch), the global batch "
+                                "unchanged and averages weighted by batch size (--sync sync | local)")
     straggler: Optional[str] = _opt(None, "RANK:FACTOR: make rank RANK's steps FACTOR (>= 1) times longer, "
                                           "busy-waiting after each step, to see how a mode copes with "
                                           "a slow worker (e.g. 3:3)", metavar="RANK:FACTOR")
@@ -127,6 +130,10 @@ class TrainConfig:
         straggler = self._straggler()
         if isinstance(straggler, str):
             return straggler
+        if self.balance and not SYNC_MODES[self.sync].balances:
+            weighted = [name for name, mode in SYNC_MODES.items() if mode.balances]
+            return (f"--balance needs a mode that weights ranks by batch size: --sync {' | '.join(weighted)} "
+                    f"(got --sync {self.sync})")
         if not self.gossip_theta >= 0:
             return f"--gossip-theta must be >= 0 (0: every step, inf: never), got {self.gossip_theta}"
         if not 0 <= self.alpha <= 1:

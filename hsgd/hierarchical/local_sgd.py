@@ -46,6 +46,7 @@ class HierarchicalLocalSGD(SyncMode):
     name = "local"
     bind = "data"
     replicas_differ = True
+    balances = True
     config_fields = ("inter_node", "intra_period", "inter_period")
 
     def __init__(self, optimizer, model, *, topology=None, inter_node="leader",
@@ -73,5 +74,8 @@ class HierarchicalLocalSGD(SyncMode):
         if level is None:
             return
         self._binding.gather()
+        weight = self._weight(level)
+        if weight != 1.0:  # batch_shares: rank r's parameters count in proportion to its batch
+            self._binding.scale_(weight)
         self.averager.average(level)
         self._binding.scatter()

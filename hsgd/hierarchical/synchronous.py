@@ -34,7 +34,6 @@ import warnings
 
 from .._engine.checks import check_int
 from .._engine.mode import SyncMode
-from ..errors import InputValueError
 
 __all__ = ["HierarchicalSGD"]
 
@@ -52,11 +51,11 @@ class HierarchicalSGD(SyncMode):
 
     name = "sync"
     bind = "grad"
+    balances = True
 
     def __init__(self, optimizer, model, *, topology=None, inter_node="leader",
                  backward_passes_per_step=1, broadcast=True):
         self.backward_passes_per_step = backward_passes_per_step
-        self._sample_weight = 1.0
         self._synchronized = False
         self._skip = False
         super().__init__(optimizer, model, topology=topology, inter_node=inter_node,
@@ -66,32 +65,15 @@ class HierarchicalSGD(SyncMode):
     def _check(self, backward_passes_per_step) -> None:
         check_int("backward_passes_per_step", backward_passes_per_step)
 
-    @property
-    def sample_weight(self) -> float:
-        """This rank's weight in the gradient average (default 1).
-
-        With per-rank batch sizes ``b_r`` (``ContiguousH5Loader.set_shares``) set it to
-        ``b_r * world_size / sum(b)`` on every rank: the average is then
-        ``sum(b_r g_r) / sum(b)``, exactly the gradient of the global batch
-        when each ``g_r`` is the mean over the rank's own batch.
-        """
-        return self._sample_weight
-
-    @sample_weight.setter
-    def sample_weight(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise InputValueError(f"Invalid sample_weight: {value!r}; use a positive number "
-                                  "(this rank's batch over the mean batch)")
-        self._sample_weight = float(value)
-
     def synchronize(self) -> None:
         """Average the gradients over all ranks now. A second call before ``step()`` does nothing."""
         self._check_open()
         if self._synchronized:
             return
         self._binding.gather()
-        if self._sample_weight != 1.0:
-            self._binding.scale_(self._sample_weight)
+        weight = self._weight("global")
+        if weight != 1.0:  # batch_shares: the average weights rank r by its batch
+            self._binding.scale_(weight)
         self.averager.average("global", 1.0 / self.backward_passes_per_step)
         self._binding.scatter()
         self._synchronized = True

@@ -9,7 +9,10 @@ ran and how each ended (a test skipped on one rank only, or collected by one
 rank only, fails the session on every rank).
 """
 
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from mpi4py import MPI
@@ -33,6 +36,17 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture
 def comm():
     return MPI.COMM_WORLD
+
+
+@pytest.fixture(scope="module")
+def shared_dir():
+    """A temporary directory every rank sees (rank 0 makes it and removes it at the end)."""
+    comm = MPI.COMM_WORLD
+    path = comm.bcast(tempfile.mkdtemp(prefix="hsgd-mpi-") if comm.Get_rank() == 0 else None, root=0)
+    yield Path(path)
+    comm.Barrier()  # every rank has closed its files before rank 0 removes them
+    if comm.Get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

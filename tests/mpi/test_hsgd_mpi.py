@@ -381,7 +381,7 @@ def test_a_single_node_sends_nothing_across_nodes(comm):
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_uneven_batches_weighted_by_size_equal_single_process(comm, opt_name):
     """Load balancing's averaging: rank r takes a batch of its own size (not equal); with
-    sample_weight = b_r * world / B the training equals the global batch on one process."""
+    those batch_shares the training equals the global batch on one process (2 virtual nodes)."""
     rank, size = comm.Get_rank(), comm.Get_size()
     x, y = fixed_batch(torch.float64)
     shares = [2 * (r + 1) for r in range(size)]  # uneven, summing to less than the batch
@@ -389,18 +389,52 @@ def test_uneven_batches_weighted_by_size_equal_single_process(comm, opt_name):
     first = sum(shares[:rank])
     mine_x, mine_y = x[first:first + shares[rank]], y[first:first + shares[rank]]
     model = mlp(torch.float64)
-    with HierarchicalSGD(OPTIMIZERS[opt_name](model.parameters()), model) as opt:
-        opt.sample_weight = shares[rank] * size / x.shape[0]
-        for _ in range(STEPS):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(mine_x), mine_y).backward()
-            opt.step()
-        assert_params_close(model, reference(torch.float64, OPTIMIZERS[opt_name]), torch.float64)
+    topo = Topology.from_comm(comm, ranks_per_node=2)
+    opt = HierarchicalSGD(OPTIMIZERS[opt_name](model.parameters()), model, topology=topo)
+    opt.batch_shares = shares
+    assert opt.batch_shares == shares
+    for _ in range(STEPS):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(mine_x), mine_y).backward()
+        opt.step()
+    assert_params_close(model, reference(torch.float64, OPTIMIZERS[opt_name]), torch.float64)
+    opt.close()
+    topo.close()
 
 
-def test_sample_weight_must_be_positive(comm):
+def test_local_sgd_averages_weight_ranks_by_batch_shares(comm):
+    """Rank r's gradient is r + 1 and its share r + 1: node and global averages are weighted."""
+    size = comm.Get_size()
+    topo = Topology.from_comm(comm, ranks_per_node=2)
+    nodes = [list(range(s, min(s + 2, size))) for s in range(0, size, 2)]
+    shares = [r + 1 for r in range(size)]
+    model = torch.nn.Linear(1, 1, bias=False).double()
+    opt = HierarchicalLocalSGD(torch.optim.SGD(model.parameters(), lr=1.0), model, topology=topo,
+                               intra_period=2, inter_period=3)
+    opt.batch_shares = shares
+    sim = [model.weight.item()] * size
+    for t in range(13):
+        opt.zero_grad()
+        model.weight.grad = torch.full_like(model.weight, comm.rank + 1.0)
+        opt.step()
+        sim = [w - (r + 1.0) for r, w in enumerate(sim)]
+        groups = [list(range(size))] if t % 6 == 0 else nodes if t % 2 == 0 else []
+        for group in groups:
+            mean = sum(shares[r] * sim[r] for r in group) / sum(shares[r] for r in group)
+            for r in group:
+                sim[r] = mean
+        assert model.weight.item() == pytest.approx(sim[comm.rank], rel=1e-12), t
+    opt.batch_shares = None  # equal again
+    assert opt.batch_shares is None and opt._weight("global") == 1.0
+    opt.close()
+    topo.close()
+
+
+def test_batch_shares_are_checked(comm):
+    size = comm.Get_size()
     model = mlp(torch.float64)
-    with HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model) as opt:
-        for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
-            with pytest.raises(ValueError, match="sample_weight"):
-                opt.sample_weight = bad
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    for bad in ([0] * size, [-1] * size, [1] * (size + 1), [True] * size, [1.5] * size, "1" * size):
+        with pytest.raises(ValueError, match="batch shares"):
+            opt.batch_shares = bad
+    opt.close()

@@ -1,42 +1,19 @@
 """Layer 2: the contiguous-read loader on however many ranks mpiexec started.
 
-Rank 0 writes the files into a temporary directory whose path it broadcasts;
+Rank 0 writes the files into the ``shared_dir`` fixture's directory (conftest);
 every file is complete before any rank opens it (:func:`write_on_root`
 agrees on rank 0's outcome, which also orders the write before the reads).
 """
 
-import shutil
-import tempfile
-from pathlib import Path
-
-import h5py
 import numpy as np
 import pytest
+from _files import write_on_root
 from mpi4py import MPI
 
 from hsgd.parallel_io import ContiguousH5Loader
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
-
-
-@pytest.fixture(scope="module")
-def shared_dir():
-    path = COMM.bcast(tempfile.mkdtemp(prefix="hsgd-io-") if RANK == 0 else None, root=0)
-    yield Path(path)
-    COMM.Barrier()  # every rank has closed its files before rank 0 removes them
-    if RANK == 0:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def write_on_root(path, **datasets):
-    """Rank 0 writes ``datasets``; returns on every rank once the file is complete."""
-    if RANK == 0:
-        with h5py.File(path, "w") as f:
-            for name, data in datasets.items():
-                f.create_dataset(name, data=data, chunks=(7, *np.shape(data)[1:]))
-    COMM.Barrier()  # the file is complete before anyone opens it
-    return path
 
 
 def data(n):
