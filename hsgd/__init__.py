@@ -1,7 +1,8 @@
 """hsgd: hierarchical synchronous SGD for PyTorch over MPI shared memory.
 
 What users import lives here; the synchronization modes by family in
-subpackages (:mod:`hsgd.hierarchical`, :mod:`hsgd.remote`, :mod:`hsgd.gossip`), private internals in ``hsgd._*``.
+subpackages (:mod:`hsgd.hierarchical`, :mod:`hsgd.remote`, :mod:`hsgd.gossip`), faults in
+:mod:`hsgd.faults`, private internals in ``hsgd._*``.
 
 The names below are loaded on first use (PEP 562), so that ``import hsgd``
 and the commands that need no MPI (``python -m hsgd.report``) do not start

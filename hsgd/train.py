@@ -24,12 +24,12 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-import traceback
 
 from mpi4py import MPI
 
 from ._trainer.config import TrainConfig, parse_config
 from ._trainer.loop import EXIT_REQUEUE, Trainer
+from .faults import abort_job, protect
 
 __all__ = ["main", "TrainConfig", "parse_config", "Trainer", "EXIT_BAD_INPUT", "EXIT_REQUEUE"]
 
@@ -54,6 +54,7 @@ class StopSignal:
 def main(argv=None) -> int:
     stopper = StopSignal()  # before anything slow: a signal during set-up must not kill us
     comm = MPI.COMM_WORLD
+    protect(comm)  # an uncaught exception aborts the job; MPI's files are unlinked once attached
     try:
         cfg = parse_config(argv, quiet=comm.Get_rank() != 0)
     except SystemExit as exc:  # --help, or an argparse error (printed by rank 0)
@@ -73,9 +74,7 @@ def main(argv=None) -> int:
             if comm.Get_rank() == 0:
                 print(f"python -m hsgd.train: error: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        traceback.print_exc()
-        sys.stderr.flush()
-        comm.Abort(1)  # this rank alone may have failed: never leave the others hanging
+        abort_job(*sys.exc_info())  # this rank alone may have failed: never leave the others hanging
         return 1
 
 

@@ -38,6 +38,7 @@ import torch
 
 from ..broadcast import averaged_state_dict, broadcast_optimizer_state, broadcast_parameters, check_same_model
 from ..errors import InputError, InputTypeError, InputValueError
+from ..faults import protect
 from ..inter_node import STRATEGIES
 from ..intra_node import Layout
 from ..topology import Topology
@@ -111,6 +112,7 @@ class SyncMode:
 
     def _setup(self, optimizer, model, inter_node, broadcast, settings) -> None:
         comm = self.topology.comm
+        protect(comm)  # from here on: abort, not hang; no files left
         error = None
         try:
             _check_common(optimizer, model, inter_node)
