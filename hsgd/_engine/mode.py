@@ -39,6 +39,7 @@ import torch
 from ..broadcast import averaged_state_dict, broadcast_optimizer_state, broadcast_parameters, check_same_model
 from ..errors import InputError, InputTypeError, InputValueError
 from ..faults import protect
+from ..faults.stall import StallInspector
 from ..inter_node import STRATEGIES
 from ..intra_node import Layout
 from ..topology import Topology
@@ -76,6 +77,9 @@ class SyncMode:
         inter_node: ``"leader"`` or ``"sharded"`` (see :mod:`hsgd.inter_node`).
         broadcast: copy parameters and buffers from rank 0 at construction.
         settings: the subclass's own arguments, checked by :meth:`_check`.
+        stall_timeout, stall_abort: the stall inspector's (:mod:`hsgd.faults.stall`): report
+            the ranks missing from a synchronization after this many seconds (default
+            ``HSGD_STALL_TIMEOUT`` or 60; 0: off) and with ``stall_abort`` abort the job.
     """
 
     name: ClassVar[str] = ""
@@ -86,13 +90,18 @@ class SyncMode:
     config_fields: ClassVar[Tuple[str, ...]] = ("inter_node",)
 
     def __init__(self, optimizer, model, *, topology=None, inter_node="leader",
-                 broadcast=True, settings: Dict[str, object]):
+                 broadcast=True, settings: Dict[str, object], stall_timeout=None, stall_abort=None):
         self._closed = True
         self._shares, self._weights = None, {}
         self._own_topology = topology is None
         self.topology = Topology.from_comm() if topology is None else topology
         try:
             self._setup(optimizer, model, inter_node, broadcast, settings)
+            try:
+                self.stall = StallInspector(self.topology.comm, stall_timeout, stall_abort)
+            except BaseException:
+                self._teardown()
+                raise
         except BaseException:
             if self._own_topology:
                 self.topology.close()
@@ -267,7 +276,8 @@ class SyncMode:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step()
+        with self.stall.waiting(self.num_steps):
+            self._step()
         self.num_steps += 1
         return loss
 
@@ -294,6 +304,7 @@ class SyncMode:
         if self._closed:
             return
         self._closed = True
+        self.stall.close()
         self._teardown()
         if self._own_topology:
             self.topology.close()

@@ -3,9 +3,13 @@
 A checkpoint is one ``torch.save`` file ``ckpt-<step>.pt`` holding a dict of
 tensors and plain values (model, optimizer, scheduler, loader position, RNG
 states of every rank, step, epoch, config). Writing goes to a temporary file
-in the same directory, then ``os.replace``: a crash never leaves a torn
-checkpoint. Loading uses ``torch.load(..., weights_only=True)``, which
-refuses arbitrary pickled objects. Only the newest ``keep`` checkpoints stay.
+in the same directory, then ``os.replace``: a crash (even SIGKILL in the
+middle of the write) never leaves a torn checkpoint under a checkpoint's
+name, and the next save removes the partial temporary file. Loading uses
+``torch.load(..., weights_only=True)``, which refuses arbitrary pickled
+objects and reads every tensor, so a damaged file (truncated, overwritten)
+fails to load: :func:`newest_loadable` then falls back to the newest older
+checkpoint that loads. Only the newest ``keep`` checkpoints stay.
 
 Example::
 
@@ -19,13 +23,16 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
-from ..errors import InputFileNotFoundError, InputPermissionError, InputValueError
+from ..errors import InputError, InputFileNotFoundError, InputPermissionError, InputValueError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_writable"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "newest_loadable", "check_writable",
+           "DEFAULT_KEEP"]
+
+DEFAULT_KEEP = 3
 
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 
@@ -45,7 +52,7 @@ def check_writable(directory) -> None:
                                    "pass a writable --checkpoint-dir") from None
 
 
-def save_checkpoint(directory, state: dict, step: int, keep: int = 3) -> Path:
+def save_checkpoint(directory, state: dict, step: int, keep: int = DEFAULT_KEEP) -> Path:
     """Write ``state`` as ``directory/ckpt-<step>.pt`` atomically; keep the newest ``keep``.
 
     Checkpoints of later steps than ``step`` belong to an abandoned run (this
@@ -54,6 +61,8 @@ def save_checkpoint(directory, state: dict, step: int, keep: int = 3) -> Path:
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    for partial in directory.glob(".ckpt-*.tmp"):  # a writer killed mid-write (one writer: rank 0)
+        partial.unlink(missing_ok=True)
     final = directory / f"ckpt-{step:09d}.pt"
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".ckpt-", suffix=".tmp")
     try:
@@ -97,6 +106,23 @@ def latest_checkpoint(directory) -> Optional[Path]:
         return None
     found = _checkpoints(directory)
     return found[-1] if found else None
+
+
+def newest_loadable(directory) -> Tuple[Optional[Path], Optional[dict], List[str]]:
+    """The newest checkpoint in ``directory`` that loads: ``(path, state, problems)``, where
+    ``problems`` describes each newer one that did not (damaged). ``(None, None, [])`` if the
+    directory holds none; an ``InputValueError`` listing them all if none loads."""
+    directory = Path(directory)
+    found = _checkpoints(directory) if directory.is_dir() else []
+    problems = []
+    for path in reversed(found):
+        try:
+            return path, load_checkpoint(path), problems
+        except InputError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise InputValueError(f"no checkpoint in {directory} can be loaded: " + "; ".join(problems))
+    return None, None, []
 
 
 def load_checkpoint(path) -> dict:

@@ -102,6 +102,10 @@ class TrainConfig:
     timeline: Optional[str] = _opt(None, "write a Chrome-trace JSON of every rank's phases here")
     checkpoint_dir: Optional[str] = _opt(None, "where checkpoints go; default RUN_DIR/checkpoints")
     save_every: int = _opt(0, "also checkpoint every N steps (0: at the end of every epoch only)")
+    nonfinite_limit: int = _opt(5, "--sync sync: skip a step whose averaged gradients hold NaN or Inf, and "
+                                   "stop after this many in a row; 0: no check")
+    keep_checkpoints: int = _opt(3, "how many of the newest checkpoints to keep (--resume falls back to "
+                                    "an older one if the newest is damaged)")
     resume: Optional[str] = _opt(None, "resume from the latest checkpoint in --checkpoint-dir (plain "
                                        "--resume; none there: start afresh) or from a given file",
                                  nargs="?", const="latest")
@@ -118,11 +122,12 @@ class TrainConfig:
         positive = {"lr": self.lr, "epochs": self.epochs, "batch_size": self.batch_size,
                     "log_every": self.log_every, "base_batch": self.base_batch,
                     "intra_period": self.intra_period, "inter_period": self.inter_period, "tau": self.tau,
-                    "mnist1d_samples": self.mnist1d_samples, "power": self.power}
+                    "mnist1d_samples": self.mnist1d_samples, "power": self.power,
+                    "keep_checkpoints": self.keep_checkpoints}
         for name, value in positive.items():
             if not value > 0:
                 return f"--{name.replace('_', '-')} must be positive, got {value}"
-        for name in ("momentum", "weight_decay", "threads", "save_every", "stop_after"):
+        for name in ("momentum", "weight_decay", "threads", "save_every", "stop_after", "nonfinite_limit"):
             if getattr(self, name) < 0:
                 return f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
         if not 0 <= self.momentum < 1:

@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 from mpi4py import MPI
 
-from .._engine.agree import agree, on_root
+from .._engine.agree import agree, collective_error, on_root
 from ..balance import LoadBalancer
-from ..errors import InputError
+from ..errors import InputError, InputValueError
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .metrics import MetricsLog, PhaseClock, write_timeline
@@ -61,6 +61,8 @@ class Trainer:
         self.clock = PhaseClock(self.topo.rank, trace=cfg.timeline is not None)
         self.opt.on_phase = self.clock.record
         self.balancer, self._busy = self._balancer(), None
+        self._guard = cfg.nonfinite_limit > 0 and hasattr(self.opt, "gradients_finite")
+        self._skipped = 0  # steps skipped in a row for non-finite gradients
         self.log = _open_log(self.run_dir, self.comm, cfg.tensorboard)
         self.stopper = stopper
         self.stops = stop_agreement(self.opt, comm, stopper, self.step)
@@ -122,7 +124,7 @@ class Trainer:
     def save(self) -> None:
         state = checkpoint_state(self.cfg, self.model, self.opt, self.scheduler,
                                  self.train_loader, self.step, self.epoch, self.best, self.comm)
-        on_root(self.comm, save_checkpoint, self.ckpt_dir, state, self.step)
+        on_root(self.comm, save_checkpoint, self.ckpt_dir, state, self.step, self.cfg.keep_checkpoints)
 
     def run(self) -> int:
         """Train to the last epoch or until stopped; returns the exit status."""
@@ -147,7 +149,9 @@ class Trainer:
             own_start = self.clock.total(*OWN_WORK)
             with self.clock.phase("data"):
                 batch = next(batches)
-            loss, correct, n = _train_step(self.model, self.opt, batch, self.device, self.clock)
+            loss, correct, n, finite = _train_step(self.model, self.opt, batch, self.device, self.clock,
+                                                   guard=self._guard)
+            self._check_finite(finite)
             if self.slowdown > 1:
                 self._straggle(self.clock.total(*OWN_WORK) - own_start)
             self.scheduler.step()
@@ -167,13 +171,29 @@ class Trainer:
             if stop is None and cfg.save_every and self.step % cfg.save_every == 0:
                 self.save()
         totals += window
-        self._reduce(totals)  # where the ranks meet, however far apart their steps were
+        with self.opt.stall.waiting(self.step, "epoch end"):
+            self._reduce(totals)  # where the ranks meet, however far apart their steps were
         stop = stop or ("signal" if totals[3] > 0 else None)
         if loader.position == len(loader):  # the epoch ran to its end (on every rank: one stop step)
             rate = epoch_steps / max(stepping_end - start, 1e-9)
             self._end_epoch(totals, time.perf_counter() - start, times, rate)
             self._busy = (sum(times[phase] for phase in BUSY_PHASES), epoch_steps)
         return stop, run_steps
+
+    def _check_finite(self, finite: bool) -> None:
+        """Count steps skipped for NaN/Inf averaged gradients; stop after ``--nonfinite-limit`` in
+        a row. The gradients are the same on every rank, so every rank decides alike."""
+        self._skipped = 0 if finite else self._skipped + 1
+        if finite:
+            return
+        if self.is_main:
+            logger.warning("step %d: the averaged gradients hold NaN or Inf; step skipped (%d in a row)",
+                           self.step + 1, self._skipped)
+        if self._skipped >= self.cfg.nonfinite_limit:
+            raise collective_error(InputValueError, f"the averaged gradients held NaN or Inf in "
+                                   f"{self._skipped} steps in a row (the last: step {self.step + 1}); the "
+                                   f"run diverged: lower --lr, add warm-up (--warmup-epochs) or check the "
+                                   f"data; --resume starts from the last checkpoint")
 
     def _straggle(self, seconds: float) -> None:
         """``--straggler``: stretch this step's own work (``seconds``: data and compute, not the
@@ -259,8 +279,10 @@ def _open_log(run_dir, comm, tensorboard: bool) -> MetricsLog:
     return log
 
 
-def _train_step(model, opt, batch, device, clock):
-    """Forward, backward, average, update; returns (loss, correct, samples) as floats."""
+def _train_step(model, opt, batch, device, clock, guard: bool = False):
+    """Forward, backward, average, update; returns (loss, correct, samples, finite). With
+    ``guard`` (a mode with ``gradients_finite``) a step whose averaged gradients hold NaN or
+    Inf is not taken (``finite`` False)."""
     x = batch[0].to(device, torch.float32, non_blocking=True)  # any stored dtype, e.g. uint8 images
     y = batch[1].to(device, non_blocking=True)
     with clock.phase("compute"):
@@ -269,9 +291,17 @@ def _train_step(model, opt, batch, device, clock):
         loss = torch.nn.functional.cross_entropy(out, y)
         loss.backward()
     start, comm_before = time.perf_counter(), clock.total("intra", "inter")
-    opt.step()
+    finite = True
+    if guard:
+        opt.synchronize()
+        finite = opt.gradients_finite()
+        if finite:
+            with opt.skip_synchronize():
+                opt.step()
+    else:
+        opt.step()
     end = time.perf_counter()
     # The optimizer update counts as compute; its averaging is already in intra/inter.
     clock.record("compute", start, end, seconds=(end - start) - (clock.total("intra", "inter") - comm_before))
     correct = (out.argmax(1) == y).sum().item()
-    return loss.item(), float(correct), float(y.numel())
+    return loss.item(), float(correct), float(y.numel()), finite

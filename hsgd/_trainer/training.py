@@ -24,7 +24,7 @@ from ..errors import InputValueError
 from ..lars import LARS
 from ..parallel_io import ContiguousH5Loader
 from ..schedules import WarmupMultiStepLR, WarmupPolyLR, scaled_lr
-from .checkpoint import latest_checkpoint, load_checkpoint
+from .checkpoint import load_checkpoint, newest_loadable
 from .config import TrainConfig
 
 __all__ = ["prepare_data", "num_classes", "dataset_length", "test_batch_size", "make_optimizer", "make_scheduler",
@@ -154,9 +154,15 @@ def resume_state(cfg: TrainConfig, checkpoint_dir: Path, model, comm) -> Optiona
 
     def load():
         nonlocal state
-        path = latest_checkpoint(checkpoint_dir) if cfg.resume == "latest" else Path(cfg.resume)
-        if path is not None:
+        if cfg.resume == "latest":
+            path, state, damaged = newest_loadable(checkpoint_dir)
+            if damaged:
+                logger.warning("damaged checkpoint(s), skipped: %s; resuming from the newest that "
+                               "loads, %s", "; ".join(damaged), path)
+        else:
+            path = Path(cfg.resume)
             state = load_checkpoint(path)
+        if state is not None:
             _check_compatible(state, model, cfg, path)
             logger.info("resuming from %s (step %d)", path, state["step"])
     check_all(comm, load if comm.Get_rank() == 0 else (lambda: None))

@@ -88,10 +88,11 @@ class GossipSGD(SyncMode):
     config_fields = ("gossip_graph", "gossip_theta")
 
     def __init__(self, optimizer, model, *, topology=None, graph="exponential", theta=DEFAULT_THETA,
-                 seed=0, broadcast=True):
+                 seed=0, broadcast=True, stall_timeout=None, stall_abort=None):
         self.graph_name, self.theta, self.seed = graph, theta, seed
         super().__init__(optimizer, model, topology=topology, broadcast=broadcast,
-                         settings={"graph": graph, "theta": theta, "seed": seed})
+                         settings={"graph": graph, "theta": theta, "seed": seed},
+                         stall_timeout=stall_timeout, stall_abort=stall_abort)
 
     @classmethod
     def from_config(cls, optimizer, model, topology, cfg) -> GossipSGD:

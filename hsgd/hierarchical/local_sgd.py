@@ -50,11 +50,12 @@ class HierarchicalLocalSGD(SyncMode):
     config_fields = ("inter_node", "intra_period", "inter_period")
 
     def __init__(self, optimizer, model, *, topology=None, inter_node="leader",
-                 intra_period=1, inter_period=1, broadcast=True):
+                 intra_period=1, inter_period=1, broadcast=True, stall_timeout=None, stall_abort=None):
         self.intra_period, self.inter_period = intra_period, inter_period
         super().__init__(optimizer, model, topology=topology, inter_node=inter_node,
                          broadcast=broadcast,
-                         settings={"intra_period": intra_period, "inter_period": inter_period})
+                         settings={"intra_period": intra_period, "inter_period": inter_period},
+                         stall_timeout=stall_timeout, stall_abort=stall_abort)
 
     def _check(self, intra_period, inter_period) -> None:
         check_int("intra_period", intra_period)

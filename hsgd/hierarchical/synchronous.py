@@ -32,6 +32,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+import torch
+
 from .._engine.checks import check_int
 from .._engine.mode import SyncMode
 
@@ -54,13 +56,14 @@ class HierarchicalSGD(SyncMode):
     balances = True
 
     def __init__(self, optimizer, model, *, topology=None, inter_node="leader",
-                 backward_passes_per_step=1, broadcast=True):
+                 backward_passes_per_step=1, broadcast=True, stall_timeout=None, stall_abort=None):
         self.backward_passes_per_step = backward_passes_per_step
         self._synchronized = False
         self._skip = False
         super().__init__(optimizer, model, topology=topology, inter_node=inter_node,
                          broadcast=broadcast,
-                         settings={"backward_passes_per_step": backward_passes_per_step})
+                         settings={"backward_passes_per_step": backward_passes_per_step},
+                         stall_timeout=stall_timeout, stall_abort=stall_abort)
 
     def _check(self, backward_passes_per_step) -> None:
         check_int("backward_passes_per_step", backward_passes_per_step)
@@ -74,9 +77,20 @@ class HierarchicalSGD(SyncMode):
         weight = self._weight("global")
         if weight != 1.0:  # batch_shares: the average weights rank r by its batch
             self._binding.scale_(weight)
-        self.averager.average("global", 1.0 / self.backward_passes_per_step)
+        with self.stall.waiting(self.num_steps, "synchronize()"):
+            self.averager.average("global", 1.0 / self.backward_passes_per_step)
         self._binding.scatter()
         self._synchronized = True
+
+    def gradients_finite(self) -> bool:
+        """Whether every averaged gradient is finite (no NaN or Inf). Call after
+        :meth:`synchronize`: the averages are the same on every rank, so is the answer,
+        and a caller may skip the step on every rank alike with no communication."""
+        self._check_open()
+        if not self._synchronized:
+            raise RuntimeError("gradients_finite() before synchronize(): the gradients are not averaged yet")
+        return all(bool(torch.isfinite(self.averager.own(seg)).all())
+                   for seg in range(len(self.averager.layout.dtypes)))
 
     @contextlib.contextmanager
     def skip_synchronize(self):

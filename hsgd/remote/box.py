@@ -158,10 +158,12 @@ class ElasticSGD(BoxMode):
     name = "elastic"
     config_fields = ("alpha", "tau")
 
-    def __init__(self, optimizer, model, *, topology=None, alpha=0.2, tau=1, broadcast=True):
+    def __init__(self, optimizer, model, *, topology=None, alpha=0.2, tau=1, broadcast=True,
+                 stall_timeout=None, stall_abort=None):
         self.alpha, self.tau, self._delta = alpha, tau, None
         super().__init__(optimizer, model, topology=topology, broadcast=broadcast,
-                         settings={"alpha": alpha, "tau": tau})
+                         settings={"alpha": alpha, "tau": tau}, stall_timeout=stall_timeout,
+                         stall_abort=stall_abort)
 
     def _check(self, alpha, tau) -> None:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
@@ -199,9 +201,11 @@ class AsyncSGD(BoxMode):
     name = "async"
     config_fields = ()
 
-    def __init__(self, optimizer, model, *, topology=None, broadcast=True):
+    def __init__(self, optimizer, model, *, topology=None, broadcast=True, stall_timeout=None,
+                 stall_abort=None):
         self._change = None
-        super().__init__(optimizer, model, topology=topology, broadcast=broadcast, settings={})
+        super().__init__(optimizer, model, topology=topology, broadcast=broadcast, settings={},
+                         stall_timeout=stall_timeout, stall_abort=stall_abort)
 
     def _step(self) -> None:
         self._binding.gather()

@@ -110,7 +110,7 @@ def remove_leftovers(before: set, tmpdir: Optional[str]) -> List[str]:
     return left
 
 
-def _kill_job(proc: subprocess.Popen) -> None:
+def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every process below it (the ranks)."""
     for pid in reversed(_descendants(proc.pid)):
         try:
@@ -130,13 +130,13 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = TIMEOUT_S,
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_job(proc)
+        kill_job(proc)
         out, err = proc.communicate()
         remove_leftovers(before, tmpdir)
         pytest.fail(f"{' '.join(cmd)} hung for more than {timeout} s\n"
                     f"--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}")
     finally:
-        _kill_job(proc)  # stray ranks of a launcher that died
+        kill_job(proc)  # stray ranks of a launcher that died
     left = remove_leftovers(before, tmpdir)
     if left:  # however it ended: hsgd unlinks MPI's files as soon as every rank attached them
         pytest.fail(f"{' '.join(cmd)} (exit {proc.returncode}) left files behind (now removed): {left}\n"

@@ -13,7 +13,7 @@ import subprocess
 import time
 
 import pytest
-from mpirun import ROOT, mpi_command, mpi_env, remove_leftovers, run_mpi, snapshot
+from mpirun import ROOT, kill_job, mpi_command, mpi_env, remove_leftovers, run_mpi, snapshot
 
 LOOP = """
 import os, sys, time, torch
@@ -21,24 +21,35 @@ from mpi4py import MPI
 from hsgd import HierarchicalSGD
 model = torch.nn.Linear(4, 2)
 opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
-rank, fail_at = MPI.COMM_WORLD.Get_rank(), int(sys.argv[1])
+rank, fault, at = MPI.COMM_WORLD.Get_rank(), sys.argv[1], int(sys.argv[2])
 print(f"ready {rank} {os.getpid()}", flush=True)
 for step in range(10**9):
     opt.zero_grad()
     model(torch.randn(8, 4)).sum().backward()
-    if step == fail_at and rank == 1:
-        raise RuntimeError("a bug on rank 1")
+    if step == at and rank == 1:
+        if fault == "raise":
+            raise RuntimeError("a bug on rank 1")
+        time.sleep(600)  # stall
     opt.step()
     time.sleep(0.005)
 """
 
 
 def test_an_exception_on_one_rank_aborts_the_job_with_one_tagged_traceback():
-    proc = run_mpi(3, ["-c", LOOP, "3"], timeout=90)  # a hang fails here
+    proc = run_mpi(3, ["-c", LOOP, "raise", "3"], timeout=90)  # a hang fails here
     assert proc.returncode != 0
     assert proc.stderr.count("Traceback") == 1, proc.stderr
     assert "[rank 1] RuntimeError: a bug on rank 1" in proc.stderr, proc.stderr
     assert "uncaught exception on rank 1 of 3: aborting the job" in proc.stderr
+
+
+def test_stall_abort_ends_the_job_naming_the_stalled_rank():
+    proc = run_mpi(3, ["-c", LOOP, "sleep", "5"], env={"HSGD_STALL_TIMEOUT": "2", "HSGD_STALL_ABORT": "1"},
+                   timeout=120)  # rank 1 sleeps 600 s: only the abort ends the job in time
+    assert proc.returncode != 0
+    reports = [line for line in proc.stderr.splitlines() if "hsgd stall: waiting" in line]
+    assert reports and all(line.endswith("missing: rank 1 (last at step 4)") for line in reports), proc.stderr
+    assert "aborting the job" in proc.stderr
 
 
 def test_the_abort_hook_can_be_turned_off():
@@ -58,17 +69,39 @@ def _start(tmp_path):
     tmpdir = str(tmp_path / "tmp")
     os.mkdir(tmpdir)
     before = snapshot()
-    proc = subprocess.Popen(mpi_command(3, ["-c", LOOP, "-1"]), cwd=ROOT, env=mpi_env(tmpdir=tmpdir),
+    proc = subprocess.Popen(mpi_command(3, ["-c", LOOP, "none", "-1"]), cwd=ROOT, env=mpi_env(tmpdir=tmpdir),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     pids, deadline = {}, time.monotonic() + 90
-    while len(pids) < 3:
-        line = proc.stdout.readline()
-        assert line and time.monotonic() < deadline, f"the job never started:\n{proc.stderr.read()}"
-        for rank, pid in re.findall(r"ready (\d+) (\d+)", line):  # ranks' lines may interleave
-            pids[int(rank)] = int(pid)
+    try:
+        while len(pids) < 3:
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, f"the job never started:\n{proc.stderr.read()}"
+            for rank, pid in re.findall(r"ready (\d+) (\d+)", line):  # ranks' lines may interleave
+                pids[int(rank)] = int(pid)
+    except BaseException:
+        _end(proc, pids)
+        raise
     time.sleep(0.5)  # in the training loop
     return proc, pids, before, tmpdir
+
+
+def _dead(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _end(proc, pids):
+    """Kill whatever is left of the job: the launcher's tree, and ranks it may have orphaned."""
+    kill_job(proc)
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.mark.parametrize("victim", ["rank", "launcher"])
@@ -80,10 +113,12 @@ def test_a_killed_rank_or_launcher_ends_the_job_and_leaves_nothing(tmp_path, vic
         else:
             proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)  # a hang fails here
+        deadline = time.monotonic() + 10  # the launcher is gone; its ranks follow within moments
+        while not (gone := all(_dead(pid) for pid in pids.values())) and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
-        proc.kill()
-    for pid in pids.values():  # every rank is gone
-        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+        _end(proc, pids)
+    assert gone, f"ranks still running 10 s after the job ended: {pids}"
     assert proc.returncode != 0
     left = remove_leftovers(before, tmpdir)
     assert not left, f"a job ended by SIGKILL/SIGTERM ({victim}) left files behind: {left}"

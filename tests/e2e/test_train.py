@@ -270,6 +270,49 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, cache):
     assert len(errors) == 1 and "different model" in errors[0], second.stderr
 
 
+@pytest.mark.parametrize("mode", [["--sync", "sync"], ["--sync", "async", "--straggler", "1:3"],
+                                  ["--sync", "gossip"]])
+def test_uneven_data_and_an_empty_evaluation_shard_end_cleanly(tmp_path, cache, mode):
+    """8 training samples on 3 ranks, 2 test samples (one rank evaluates none); in async the
+    ranks also finish their steps at different times. Every collective is entered alike."""
+    run = tmp_path / "run"
+    proc = train(3, ["--mnist1d-samples", "10", "--batch-size", "6", "--epochs", "2", "--progress", "lines",
+                     "--run-dir", str(run), *mode], cache, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    epochs = records(run, "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1] and all(0 <= e["test_acc"] <= 1 for e in epochs)
+    assert "8 train / 2 test samples" in proc.stderr
+
+
+def test_non_finite_gradients_skip_steps_then_stop_the_run(tmp_path, cache):
+    proc = train(2, [*SMALL, "--optimizer", "sgd", "--lr", "1e20", "--nonfinite-limit", "3",
+                     "--run-dir", str(tmp_path / "run")], cache)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and "NaN or Inf in 3 steps in a row" in errors[0], \
+        proc.stderr
+    assert proc.stderr.count("step skipped") == 3, proc.stderr  # logged once per skip (rank 0)
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_and_refuses_when_none_loads(tmp_path, cache):
+    run = tmp_path / "run"
+    common = [*SMALL, "--run-dir", str(run), "--save-every", "10", "--keep-checkpoints", "2"]
+    first = train(2, [*common, "--stop-after", "20"], cache)
+    assert first.returncode == 0, first.stderr
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("ckpt-*.pt")) == ["ckpt-000000010.pt", "ckpt-000000020.pt"]
+    newest = ckpts / "ckpt-000000020.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # torn
+    second = train(2, [*common, "--resume", "--stop-after", "5"], cache)
+    assert second.returncode == 0, second.stderr
+    assert second.stderr.count("damaged checkpoint") == 1, second.stderr
+    assert "ckpt-000000010.pt (step 10)" in second.stderr
+    for path in ckpts.glob("ckpt-*.pt"):
+        path.write_bytes(b"not a checkpoint")
+    third = train(2, [*common, "--resume"], cache)
+    errors = [line for line in third.stderr.splitlines() if "error:" in line]
+    assert third.returncode == 2 and len(errors) == 1 and "can be loaded" in errors[0], third.stderr
+
+
 @pytest.mark.parametrize("layout", ["chw", "hwc"])
 def test_resnet_on_images(tmp_path, cache, layout):
     """The ResNet with BatchNorm on tiny images, both channel layouts."""

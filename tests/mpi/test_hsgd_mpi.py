@@ -438,3 +438,22 @@ def test_batch_shares_are_checked(comm):
         with pytest.raises(ValueError, match="batch shares"):
             opt.batch_shares = bad
     opt.close()
+
+
+def test_gradients_finite_is_the_same_on_every_rank(comm):
+    """A NaN on one rank's gradient makes the average non-finite everywhere: every rank skips."""
+    model = mlp(torch.float64)
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    x, y = fixed_batch(torch.float64)
+    for poison in (None, float("nan"), float("inf")):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        with pytest.raises(RuntimeError, match="before synchronize"):
+            opt.gradients_finite()
+        if poison is not None and comm.Get_rank() == comm.Get_size() - 1:
+            next(model.parameters()).grad[0, 0] = poison
+        opt.synchronize()
+        finite = opt.gradients_finite()
+        assert finite == (poison is None)
+        assert comm.allgather(finite) == [finite] * comm.Get_size()
+    opt.close()

@@ -1,0 +1,68 @@
+"""The stall inspector (``stall_timeout``): reports name exactly the ranks that keep the others waiting."""
+
+import re
+import time
+
+import pytest
+import torch
+from _models import fixed_batch, mlp
+
+from hsgd import HierarchicalSGD
+
+
+def build(timeout, **kwargs):
+    model = mlp(torch.float64)
+    return model, HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                  stall_timeout=timeout, **kwargs)
+
+
+def train_step(model, opt):
+    x, y = fixed_batch(torch.float64)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_a_sleeping_rank_is_named_by_the_waiting_ranks(comm, capsys):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        pytest.skip("needs a rank to wait for another")
+    model, opt = build(1.0)
+    for _ in range(3):
+        train_step(model, opt)
+    capsys.readouterr()
+    sleeper = size - 1
+    if rank == sleeper:
+        time.sleep(4.0)  # the others wait in step() meanwhile
+    train_step(model, opt)
+    reports = [line for line in capsys.readouterr().err.splitlines() if "hsgd stall" in line]
+    if rank == sleeper:
+        assert not reports, reports  # it never waited
+    else:
+        assert reports, "no stall report after 4 s with a 1 s timeout"
+        for line in reports:
+            assert re.search(rf"missing: rank {sleeper} \(last at step 2\)$", line), line
+            assert f"[rank {rank}]" in line and "synchronization #4 (step 3, step())" in line, line
+    opt.close()
+
+
+def test_no_report_when_every_rank_arrives(comm, capsys):
+    model, opt = build(5.0)
+    assert opt.stall.enabled
+    for _ in range(20):
+        train_step(model, opt)
+    assert "hsgd stall" not in capsys.readouterr().err
+    opt.close()
+
+
+def test_zero_disables_and_bad_timeouts_are_refused(comm, monkeypatch):
+    _, opt = build(0)
+    assert not opt.stall.enabled and opt.stall.board is None and opt.stall._thread is None
+    opt.close()
+    monkeypatch.setenv("HSGD_STALL_TIMEOUT", "0")
+    _, opt = build(None)
+    assert not opt.stall.enabled
+    opt.close()
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="stall timeout"):
+            build(bad)
