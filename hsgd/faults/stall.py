@@ -3,8 +3,8 @@
 In the manner of Horovod's stall inspector and torch's ``monitored_barrier``:
 every rank publishes, before it enters a synchronization, how many it has
 entered and at which step, into a small :class:`~hsgd.remote.RemoteMemory`
-board on rank 0 (one 16-byte write: a store where rank 0's memory is mapped,
-an RMA put otherwise). A watchdog thread on each rank wakes every
+board on rank 0 (two int64 stores where rank 0's memory is mapped, on its
+node; a 16-byte RMA put otherwise). A watchdog thread on each rank wakes every
 ``timeout / 4`` seconds (at most every second); if its rank has been waiting
 in the same synchronization for ``timeout`` seconds, it reads the board (a
 one-sided read: the ranks stuck in MPI need not answer) and writes to stderr::
@@ -81,11 +81,13 @@ class StallInspector:
         self._threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE  # may the watchdog call MPI?
         self.entered, self._step, self._what, self._since = 0, 0, "", None
         self._mine = torch.zeros(2, dtype=torch.int64)
-        self.board, self._thread, self._stop = None, None, threading.Event()
+        self.board, self._slot, self._thread, self._stop = None, None, None, threading.Event()
         if self.timeout > 0:
             from ..remote.memory import RemoteMemory
 
             self.board = RemoteMemory(comm, 2 * comm.Get_size(), dtype=torch.int64, owners=[0])
+            view = self.board.direct_view(0)
+            self._slot = None if view is None else view[2 * self.rank:2 * self.rank + 2]
             self._thread = threading.Thread(target=self._watch, name="hsgd-stall-inspector", daemon=True)
             self._thread.start()
 
@@ -102,8 +104,11 @@ class StallInspector:
             return
         self.entered += 1
         self._step, self._what = int(step), what
-        self._mine[0], self._mine[1] = self.entered, int(step)
-        self.board.write(2 * self.rank, self._mine)
+        if self._slot is not None:  # rank 0's board is mapped here: two stores
+            self._slot[0], self._slot[1] = self.entered, self._step
+        else:
+            self._mine[0], self._mine[1] = self.entered, self._step
+            self.board.write(2 * self.rank, self._mine)
         self._since = time.monotonic()
         try:
             yield
@@ -151,5 +156,6 @@ class StallInspector:
             self._thread.join()
             self._thread = None
         if self.board is not None:
+            self._slot = None
             self.board.close()
             self.board = None

@@ -286,6 +286,13 @@ class RemoteMemory:
         """The owners on this rank's node (their bytes count as ``intra_bytes``)."""
         return sorted(self._local)
 
+    def direct_view(self, owner: int) -> Optional[np.ndarray]:
+        """``owner``'s shard as a numpy array this process loads and stores directly, or
+        ``None`` (another node, or an MPI that does not map it). Plain stores into it bypass
+        the version counter and traffic counters; readers see them without any MPI call."""
+        self._check_open()
+        return self._direct.get(owner)
+
     @property
     def direct_owners(self) -> List[int]:
         """The owners this rank reaches by load and store (its node's, where the MPI allows)."""
