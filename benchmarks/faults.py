@@ -48,7 +48,7 @@ for step in range(at + 50 if fault != "none" else 10**9):
 opt.close()
 """
 
-SMALL = ["--mnist1d-samples", "2000", "--epochs", "2", "--batch-size", "64", "--progress", "lines"]
+SMALL = ["--mnist1d-samples", "2000", "--epochs", "2", "--batch-size", "48", "--progress", "lines"]  # 48: 2, 3, 4 ranks
 
 
 def main(argv=None):
@@ -136,7 +136,9 @@ class Jobs:
                      "test_train.py::test_signal_checkpoints_and_exits_for_requeue"])
         run = tmp / "damaged"
         common = [*train, "--run-dir", str(run), "--save-every", "10"]
-        self._run([*common, "--stop-after", "20"])
+        code, err, _, _ = self._run([*common, "--stop-after", "20"])
+        if code != 0:
+            sys.exit(f"the run to damage a checkpoint of failed:\n{err[-3000:]}")
         newest = sorted((run / "checkpoints").glob("ckpt-*.pt"))[-1]
         newest.write_bytes(newest.read_bytes()[:1000])
         code, err, seconds, left = self._run([*common, "--resume", "--stop-after", "5"])
@@ -148,6 +150,14 @@ class Jobs:
         rows.append(["NaN/Inf gradients", "--optimizer sgd --lr 1e20 --nonfinite-limit 3", str(code),
                      _said(err), f"{seconds:.1f}", ", ".join(left) or "nothing",
                      "test_train.py::test_non_finite_gradients_skip_steps_then_stop_the_run"])
+        code, err, seconds, left = self._run(["-m", "hsgd.train", "--cache-dir", str(tmp / "cache"),
+                                              "--mnist1d-samples", "10", "--batch-size", "6", "--epochs", "2",
+                                              "--sync", "async", "--straggler", "1:3", "--progress", "lines",
+                                              "--run-dir", str(tmp / "uneven")])
+        rows.append(["uneven work", "8 samples on the ranks, 2 test samples (a rank evaluates none), "
+                     "--sync async --straggler 1:3", str(code), _said(err), f"{seconds:.1f}",
+                     ", ".join(left) or "nothing",
+                     "test_train.py::test_uneven_data_and_an_empty_evaluation_shard_end_cleanly"])
         return rows
 
     def _signal_trainer(self, argv):
