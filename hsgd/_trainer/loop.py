@@ -26,8 +26,8 @@ import torch
 from mpi4py import MPI
 
 from .._engine.agree import agree, collective_error, on_root
-from ..balance import LoadBalancer
 from ..errors import InputError, InputValueError
+from .balancing import Balancing
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .metrics import MetricsLog, PhaseClock, write_timeline
@@ -42,7 +42,6 @@ logger = logging.getLogger("hsgd.train")
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint written after a signal; requeue and --resume
 OWN_WORK = ("data", "compute")  # a step's own work: what --straggler stretches (not waiting for others)
-BUSY_PHASES = (*OWN_WORK, "straggler")  # what --balance equalizes
 
 
 class Trainer:
@@ -60,7 +59,9 @@ class Trainer:
             self._resume()
         self.clock = PhaseClock(self.topo.rank, trace=cfg.timeline is not None)
         self.opt.on_phase = self.clock.record
-        self.balancer, self._busy = self._balancer(), None
+        self.balancing = Balancing(cfg, self.train_loader, self.opt, self.model, self.device, comm,
+                                   self._straggle if self.slowdown > 1 else None)
+        self.clock.take()  # --balance's warm-up is not training time
         self._guard = cfg.nonfinite_limit > 0 and hasattr(self.opt, "gradients_finite")
         self._skipped = 0  # steps skipped in a row for non-finite gradients
         self.log = _open_log(self.run_dir, self.comm, cfg.tensorboard)
@@ -75,51 +76,6 @@ class Trainer:
                                                        self.train_loader, self.comm)
         elif self.is_main:
             logger.info("no checkpoint in %s: starting afresh", self.ckpt_dir)
-
-    def _balancer(self) -> Optional[LoadBalancer]:
-        """``--balance``: calibrated before the first step. Without it, shares saved by a
-        balanced run still weight the gradients until the interrupted epoch ends."""
-        if not (self.cfg.balance or self.train_loader.shares):
-            return None
-        balancer = LoadBalancer(self.train_loader, self.opt, self.comm)
-        if self.cfg.balance:
-            shares = balancer.calibrate(self._calibration_work())
-            self.clock.take()  # the warm-up is not training time
-            if self.is_main:
-                logger.info("--balance: batch shares %s after a warm-up", shares)
-        return balancer
-
-    def _calibration_work(self):
-        """One step's computation (forward, backward, straggling) on ``b`` synthetic samples,
-        leaving no trace: the gradients are zeroed, buffers and the RNG state restored."""
-        model, shape = self.model, self.train_loader.sample_shape
-        data = torch.Generator().manual_seed(self.topo.rank)
-        x = torch.randn(self.train_loader.batch_size, *shape, generator=data).to(self.device)
-        y = torch.zeros(len(x), dtype=torch.long, device=self.device)
-
-        def work(b: int) -> None:
-            rng, buffers = torch.get_rng_state(), [t.clone() for t in model.buffers()]
-            start = time.perf_counter()
-            torch.nn.functional.cross_entropy(model(x[:b]), y[:b]).backward()
-            if self.slowdown > 1:
-                self._straggle(time.perf_counter() - start)
-            self.opt.zero_grad()
-            torch.set_rng_state(rng)
-            with torch.no_grad():
-                for saved, now in zip(buffers, model.buffers()):
-                    now.copy_(saved)
-        return work
-
-    def _rebalance(self) -> None:
-        """Between epochs: the next epoch's batch shares from the last epoch's busy time."""
-        if self.balancer is None or self.train_loader.position != 0:
-            return
-        if not self.cfg.balance:  # shares from a balanced run's checkpoint: back to equal batches
-            self.train_loader.set_shares(None)
-            self.balancer.apply_shares()
-            self.balancer = None
-        elif self._busy is not None:
-            self.balancer.rebalance(*self._busy)
 
     def save(self) -> None:
         state = checkpoint_state(self.cfg, self.model, self.opt, self.scheduler,
@@ -139,7 +95,7 @@ class Trainer:
         """One epoch, or its rest after a resume; returns (stop reason or None, steps run)."""
         cfg, loader = self.cfg, self.train_loader
         loader.set_epoch(self.epoch)
-        self._rebalance()
+        self.balancing.epoch_start()
         self._traffic_start = self.opt.traffic
         self.progress.start_epoch(self.epoch, loader.position)
         start, totals, times = time.perf_counter(), torch.zeros(4, dtype=torch.float64), Counter()
@@ -177,7 +133,7 @@ class Trainer:
         if loader.position == len(loader):  # the epoch ran to its end (on every rank: one stop step)
             rate = epoch_steps / max(stepping_end - start, 1e-9)
             self._end_epoch(totals, time.perf_counter() - start, times, rate)
-            self._busy = (sum(times[phase] for phase in BUSY_PHASES), epoch_steps)
+            self.balancing.epoch_end(times, epoch_steps)
         return stop, run_steps
 
     def _check_finite(self, finite: bool) -> None:

@@ -28,8 +28,8 @@ from typing import List
 __all__ = ["unlink_mpi_files", "job_files", "ENV"]
 
 ENV = "HSGD_UNLINK_MPI_FILES"
-_SEGMENT = re.compile(r"^/dev/shm/mpich_shm_[^/]*$")
-_PROXY_FILE = re.compile(r"/hydra_hwloc_xmlfile_[^/]*$")
+_SEGMENT = re.compile(r"^/dev/shm/mpich_shm_[^/\s]*$")
+_PROXY_FILE = re.compile(r"/hydra_hwloc_xmlfile_[^/\s]*$")
 _done = {"unlinked": False}
 
 

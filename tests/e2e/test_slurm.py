@@ -72,6 +72,19 @@ os.makedirs(run_dir, exist_ok=True)
 open(os.path.join(run_dir, f"started.{rank}.{restart}"), "w").close()  # past MPI_Init
 topo = Topology.from_comm()
 
+if os.environ.get("PROBE_RAISE"):
+    # A bug on rank 1 after the others entered a synchronization: the job must end, not hang.
+    import torch
+    from hsgd import HierarchicalSGD
+    model = torch.nn.Linear(2, 1)
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, topology=topo)
+    if rank == 1:
+        time.sleep(1.0)
+        raise RuntimeError("probe bug on rank 1")
+    opt.zero_grad()
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()  # waits for rank 1 forever, unless the job is aborted
+
 if os.environ.get("PROBE_WAIT_USR1") and restart == 0:
     # First run: wait for SIGUSR1, "checkpoint", and ask to be requeued.
     open(os.path.join(run_dir, f"ready.{rank}"), "w").close()
@@ -120,6 +133,7 @@ def job_env(**extra):
         "HSGD_RANKS_PER_NODE": None,   # the script sets it (HSGD_EMULATED_NODES)
         "HSGD_EMULATED_NODES": "1",
         "PROBE_WAIT_USR1": None,
+        "PROBE_RAISE": None,
         # Keep MPI's own traffic on loopback too (UCX or libfabric netmod,
         # Hydra's proxies); the emulated nodes are all this host anyway.
         "UCX_NET_DEVICES": "lo",
@@ -260,6 +274,17 @@ def test_usr1_checkpoint_exit_requeues_the_job(slurm, tmp_path, name):
     assert info.get("Restarts") == "1", output
     assert "requeueing" in output, output
     assert {r["restart"] for r in json.loads((run_dir / "probe.json").read_text())} == {1}
+
+
+@pytest.mark.parametrize("name", ["multi_node", "multi_node_mpiexec"])
+def test_an_exception_on_one_rank_fails_the_job_instead_of_hanging(slurm, tmp_path, name):
+    """Under srun (and mpiexec inside the allocation) hsgd's abort hook ends every rank."""
+    run_dir = tmp_path / "run"
+    job = slurm.submit(probe_script(name, tmp_path), ["--run-dir", run_dir], env=job_env(PROBE_RAISE="1"),
+                       sbatch_args=layout(2, 1), cwd=tmp_path)
+    _, output = finish(slurm, job, tmp_path, probe_started(run_dir, 2), expect="FAILED")
+    assert output.count("Traceback") == 1, output[-4000:]
+    assert "[rank 1] RuntimeError: probe bug on rank 1" in output, output[-4000:]
 
 
 # At most 4 ranks on the 2-core test machines: the trainer is heavier than the probe.

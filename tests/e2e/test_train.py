@@ -184,6 +184,23 @@ def test_balance_gives_the_straggler_less_and_resumes_with_the_saved_shares(tmp_
     assert epochs[-1]["test_acc"] > 0.25  # 10 classes: chance is 0.1
 
 
+def test_balanced_checkpoint_resumed_without_balance(tmp_path, cache):
+    """Shares saved mid-epoch keep weighting that epoch (then equal batches); a mode that
+    cannot weight them is refused with one error."""
+    run = tmp_path / "run"
+    common = [*SMALL, "--run-dir", str(run)]
+    first = train(2, [*common, "--balance", "--straggler", "1:3", "--stop-after", "20"], cache)
+    assert first.returncode == 0, first.stderr
+    refused = train(2, [*common, "--resume", "--sync", "gossip"], cache)
+    errors = [line for line in refused.stderr.splitlines() if "error:" in line]
+    assert refused.returncode == 2 and len(errors) == 1 and "cannot weight them" in errors[0], refused.stderr
+    resumed = train(2, [*common, "--resume"], cache)
+    assert resumed.returncode == 0, resumed.stderr
+    saved = torch.load(run / "checkpoints" / f"ckpt-{20:09d}.pt", weights_only=False)["loader"]["shares"]
+    epochs = records(run, "epoch")
+    assert epochs[0]["batch_shares"] == saved != [32, 32] and epochs[1]["batch_shares"] == [32, 32]
+
+
 def test_straggler_stretches_its_steps_and_every_rank_reports_its_pace(tmp_path, cache):
     run = tmp_path / "run"
     proc = train(2, [*SMALL, "--sync", "async", "--straggler", "0:3", "--log-every", "5",

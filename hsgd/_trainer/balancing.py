@@ -1,0 +1,85 @@
+"""``--balance`` in the trainer: a :class:`~hsgd.LoadBalancer` calibrated before the first step
+and fed each epoch's busy time (data, compute and straggling, not waiting for other ranks).
+
+Also carries shares that a checkpoint of a balanced run brings: they keep weighting the
+averages until the interrupted epoch ends, then batches are equal again (without
+``--balance``), or the run stops with an error if the mode cannot weight them mid-epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Callable, Optional
+
+import torch
+
+from .._engine.agree import collective_error
+from ..balance import LoadBalancer
+from ..errors import InputValueError
+
+__all__ = ["Balancing", "BUSY_PHASES"]
+
+logger = logging.getLogger("hsgd.train")
+
+BUSY_PHASES = ("data", "compute", "straggler")  # a rank's own work per step: what --balance equalizes
+
+
+class Balancing:
+    """The trainer's load balancing; collective to build (the warm-up) and in :meth:`epoch_start`."""
+
+    def __init__(self, cfg, loader, opt, model, device, comm, straggle: Optional[Callable[[float], None]]):
+        self.cfg, self.loader, self.opt, self.comm = cfg, loader, opt, comm
+        self.balancer: Optional[LoadBalancer] = None
+        self._busy = None  # (busy seconds, steps) of the last epoch
+        if not (cfg.balance or loader.shares):
+            return
+        if not opt.balances:  # shares from a balanced run's checkpoint, resumed in another mode
+            if loader.position:
+                raise collective_error(InputValueError, f"the checkpoint's epoch runs with per-rank batch "
+                                       f"shares (--balance); --sync {cfg.sync} cannot weight them: "
+                                       f"resume with --sync sync or local, or from an epoch-end checkpoint")
+            loader.set_shares(None)
+            return
+        self.balancer = LoadBalancer(loader, opt, comm)
+        if cfg.balance:
+            shares = self.balancer.calibrate(_calibration_work(model, loader, opt, device, comm, straggle))
+            if comm.Get_rank() == 0:
+                logger.info("--balance: batch shares %s after a warm-up", shares)
+
+    def epoch_start(self) -> None:
+        """At an epoch's first step (collective): the shares for it."""
+        if self.balancer is None or self.loader.position != 0:
+            return
+        if not self.cfg.balance:  # a balanced run's shares, resumed without --balance: equal again
+            self.loader.set_shares(None)
+            self.balancer.apply_shares()
+            self.balancer = None
+        elif self._busy is not None:
+            self.balancer.rebalance(*self._busy)
+
+    def epoch_end(self, times: Counter, steps: int) -> None:
+        """The finished epoch's phase times of this rank (``times``) over its ``steps``."""
+        self._busy = (sum(times[phase] for phase in BUSY_PHASES), steps)
+
+
+def _calibration_work(model, loader, opt, device, comm, straggle):
+    """One step's computation (forward, backward, straggling) on ``b`` synthetic samples,
+    leaving no trace: the gradients are zeroed, buffers and the RNG state restored."""
+    data = torch.Generator().manual_seed(comm.Get_rank())
+    x = torch.randn(loader.batch_size, *loader.sample_shape, generator=data).to(device)
+    y = torch.zeros(len(x), dtype=torch.long, device=device)
+
+    def work(b: int) -> None:
+        rng, buffers = torch.get_rng_state(), [t.clone() for t in model.buffers()]
+        start = time.perf_counter()
+        torch.nn.functional.cross_entropy(model(x[:b]), y[:b]).backward()
+        if straggle is not None:
+            straggle(time.perf_counter() - start)
+        opt.zero_grad()
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for saved, now in zip(buffers, model.buffers()):
+                now.copy_(saved)
+    return work
