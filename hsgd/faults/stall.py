@@ -18,6 +18,11 @@ arrived is never named. In the modes whose ranks do not step together (the
 parameter box, gossip) the ranks named are those behind this one. With
 ``abort`` the job is aborted (``MPI_Abort``) after the first report.
 
+When every rank has entered (the board names no one), the wait is most
+likely ending at that instant: the report waits one more period and is made,
+as ``missing: none (all arrived)``, only if the wait outlasts it (a hung
+network or MPI progress, not a missing rank).
+
 ``timeout`` defaults to ``HSGD_STALL_TIMEOUT`` (seconds, default 60; 0
 disables the inspector: no board, no thread) and ``abort`` to
 ``HSGD_STALL_ABORT=1``. The ranks must agree on both.
@@ -118,6 +123,7 @@ class StallInspector:
     def _watch(self) -> None:
         period = min(1.0, self.timeout / 4)
         reported = (None, 0)  # (the wait's start, reports made during it)
+        arrived = None  # the wait in which every rank was first seen arrived
         while not self._stop.wait(period):
             since = self._since
             if since is None:
@@ -126,8 +132,16 @@ class StallInspector:
             count = reported[1] if reported[0] == since else 0
             if waited < self.timeout * (count + 1):
                 continue
+            names = self._missing()
+            if names is None and arrived != since:
+                # Every rank has entered: the wait is most likely ending right now. Report
+                # "all arrived" (a hung network, not a missing rank) only if it outlasts a period.
+                arrived = since
+                continue
+            if self._since != since:
+                continue
             reported = (since, count + 1)
-            self._report(waited)
+            self._report(waited, names or "none (all arrived)")
             if self.abort:
                 from mpi4py import MPI
 
@@ -135,16 +149,19 @@ class StallInspector:
                 sys.stderr.flush()
                 MPI.COMM_WORLD.Abort(1)
 
-    def _report(self, waited: float) -> None:
-        if self._threads:
-            board = torch.empty(2 * self.comm.Get_size(), dtype=torch.int64)
-            self.board.read(0, board)
-            entered, steps = board[0::2].tolist(), board[1::2].tolist()
-            missing = [r for r, n in enumerate(entered) if n < self.entered]
-            names = ", ".join(f"rank {r} (last at step {steps[r]})" if entered[r] else
-                              f"rank {r} (no synchronization yet)" for r in missing) or "none (all arrived)"
-        else:
-            names = "unknown (MPI was initialized without MPI_THREAD_MULTIPLE)"
+    def _missing(self) -> Optional[str]:
+        """The ranks that have not entered this rank's synchronization, named with their
+        last step; ``None`` if every rank has entered."""
+        if not self._threads:
+            return "unknown (MPI was initialized without MPI_THREAD_MULTIPLE)"
+        board = torch.empty(2 * self.comm.Get_size(), dtype=torch.int64)
+        self.board.read(0, board)
+        entered, steps = board[0::2].tolist(), board[1::2].tolist()
+        missing = [r for r, n in enumerate(entered) if n < self.entered]
+        return ", ".join(f"rank {r} (last at step {steps[r]})" if entered[r] else
+                         f"rank {r} (no synchronization yet)" for r in missing) or None
+
+    def _report(self, waited: float, names: str) -> None:
         sys.stderr.write(f"[rank {self.rank}] hsgd stall: waiting {waited:.0f} s in synchronization "
                          f"#{self.entered} (step {self._step}, {self._what}); missing: {names}\n")
         sys.stderr.flush()

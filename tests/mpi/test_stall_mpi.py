@@ -46,6 +46,26 @@ def test_a_sleeping_rank_is_named_by_the_waiting_ranks(comm, capsys):
     opt.close()
 
 
+def test_a_wait_that_every_rank_entered_is_reported_as_all_arrived_only_once_it_lasts(comm, capsys):
+    """A hung network, not a missing rank: every rank is inside the synchronization. The
+    report at the moment the last rank arrives would be noise, so it waits one more
+    period; a wait that lasts is still reported."""
+    from hsgd.faults.stall import StallInspector
+
+    stall = StallInspector(comm, timeout=0.4)
+    comm.Barrier()
+    with stall.waiting(7, "test"):
+        comm.Barrier()  # every rank has published its entry
+        time.sleep(1.5)
+    stall.close()
+    reports = [line for line in capsys.readouterr().err.splitlines() if "hsgd stall" in line]
+    assert reports, "no report after 1.5 s in a synchronization with a 0.4 s timeout"
+    for line in reports:
+        assert line.endswith("synchronization #1 (step 7, test); missing: none (all arrived)"), line
+    # due at 0.4 and 0.8 s; the first is held back one period (0.1 s) to see whether the wait ends
+    assert 1 <= len(reports) <= 3, reports
+
+
 def test_no_report_when_every_rank_arrives(comm, capsys):
     model, opt = build(5.0)
     assert opt.stall.enabled
