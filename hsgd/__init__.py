@@ -29,7 +29,10 @@ _EXPORTS = {
     "Topology": ".topology", "ContiguousH5Loader": ".parallel_io", "LoadBalancer": ".balance",
     "LARS": ".lars",
     "WarmupPolyLR": ".schedules", "WarmupMultiStepLR": ".schedules", "scaled_lr": ".schedules",
-    "broadcast_parameters": ".broadcast", "broadcast_optimizer_state": ".broadcast",
+    "broadcast_parameters": ".replicas", "broadcast_optimizer_state": ".replicas",
+    **{name: ".collectives" for name in (
+        "rank", "size", "local_rank", "local_size", "barrier", "allreduce", "allreduce_", "allgather",
+        "broadcast", "broadcast_", "allreduce_object", "allgather_object", "broadcast_object")},
     "InputError": ".errors", "InputValueError": ".errors", "InputTypeError": ".errors",
     "InputFileNotFoundError": ".errors", "InputPermissionError": ".errors",
 }

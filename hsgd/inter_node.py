@@ -16,7 +16,8 @@ staging copy):
   warning otherwise.
 
 Both sum; the caller scales by ``1 / world_size``, so unequal nodes still
-give the exact global mean.
+give the exact global mean. With ``compression`` (``"fp16"``, ``"bf16"``,
+:mod:`hsgd.compression`) the sums cross nodes in 16 bits.
 
 Example::
 
@@ -29,12 +30,14 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Optional
 
 import torch
 from mpi4py import MPI
 
 from ._engine.checks import check_choice
 from ._engine.traffic import allreduce_bytes
+from .compression import make_codec
 from .errors import InputValueError
 
 __all__ = ["LeaderAllreduce", "ShardedAllreduce", "make_inter_node", "STRATEGIES"]
@@ -44,55 +47,76 @@ logger = logging.getLogger(__name__)
 STRATEGIES = ("leader", "sharded")
 
 
-def _allreduce_inplace(comm, tensor: torch.Tensor) -> int:
-    """Sum ``tensor`` over ``comm`` in place; returns the bytes this rank sent."""
-    if not tensor.numel():
-        return 0
-    comm.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM)
-    return allreduce_bytes(tensor.numel() * tensor.element_size(), comm.Get_size())
+class _Strategy:
+    """Sums over ``self.comm`` in place, exactly or through a 16-bit codec."""
+
+    name = ""
+    comm = None
+
+    def __init__(self, compression: Optional[str]):
+        self.codec = make_codec(compression)
+
+    @property
+    def compression(self) -> str:
+        return "none" if self.codec is None else self.codec.name
+
+    def _allreduce(self, tensor: torch.Tensor) -> int:
+        """Sum ``tensor`` over ``comm`` in place; returns the bytes this rank sent."""
+        if not tensor.numel():
+            return 0
+        if self.codec is not None:
+            return self.codec.allreduce_(self.comm, tensor)
+        self.comm.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM)
+        return allreduce_bytes(tensor.numel() * tensor.element_size(), self.comm.Get_size())
+
+    def close(self) -> None:
+        if self.codec is not None:
+            self.codec.close()
+            self.codec = None
 
 
-class LeaderAllreduce:
+class LeaderAllreduce(_Strategy):
     """Node leaders allreduce the whole node sum; other ranks do nothing."""
 
     name = "leader"
 
-    def __init__(self, topology):
+    def __init__(self, topology, compression: Optional[str] = None):
+        super().__init__(compression)
         self.comm = topology.leader_comm
 
     def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> int:
         """Allreduce the node sum (leaders only); returns the bytes sent."""
-        return 0 if self.comm is None else _allreduce_inplace(self.comm, node_sum)
-
-    def close(self) -> None:
-        pass
+        return 0 if self.comm is None else self._allreduce(node_sum)
 
 
-class ShardedAllreduce:
+class ShardedAllreduce(_Strategy):
     """Every local rank allreduces its slice across nodes (equal nodes only)."""
 
     name = "sharded"
 
-    def __init__(self, topology):
+    def __init__(self, topology, compression: Optional[str] = None):
         if not topology.equal_nodes:
             raise InputValueError(
                 f"inter_node='sharded' needs nodes of equal size; got "
                 f"{list(topology.node_sizes)}. Use inter_node='leader'")
+        super().__init__(compression)
         # Ranks with the same local index, one per node, ordered by node.
         self.comm = topology.comm.Split(topology.local_rank, topology.node_index)
 
     def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> int:
         """Allreduce this rank's slice ``[lo, hi)`` of the node sum; returns the bytes sent."""
-        return _allreduce_inplace(self.comm, node_sum[lo:hi])
+        return self._allreduce(node_sum[lo:hi])
 
     def close(self) -> None:
+        super().close()
         if self.comm is not None:
             self.comm.Free()
             self.comm = None
 
 
-def make_inter_node(name: str, topology):
-    """Build the level-2 strategy ``name`` for ``topology`` (collective).
+def make_inter_node(name: str, topology, compression: Optional[str] = None):
+    """Build the level-2 strategy ``name`` for ``topology`` (collective), summing through
+    ``compression`` (``None``/``"none"``, ``"fp16"``, ``"bf16"``) if given.
 
     ``"sharded"`` on nodes of unequal size warns and returns ``"leader"``;
     every rank sees the same node sizes, so every rank makes the same choice.
@@ -105,4 +129,4 @@ def make_inter_node(name: str, topology):
             RuntimeWarning, stacklevel=2)
         name = "leader"
     logger.debug("inter-node strategy %s on %s", name, topology)
-    return LeaderAllreduce(topology) if name == "leader" else ShardedAllreduce(topology)
+    return (LeaderAllreduce if name == "leader" else ShardedAllreduce)(topology, compression)

@@ -49,12 +49,12 @@ LEVELS = ("node", "global")
 class HierarchicalAverager:
     """Averages each rank's slot over its node or over all ranks. Collective."""
 
-    def __init__(self, topology, layout: Layout, inter_node: str = "leader"):
+    def __init__(self, topology, layout: Layout, inter_node: str = "leader", compression=None):
         self.topology = topology
         self.layout = layout
         self.slots = SharedSlots(topology.node_comm, layout)
         try:
-            self.inter = make_inter_node(inter_node, topology)
+            self.inter = make_inter_node(inter_node, topology, compression)
         except BaseException:
             self.slots.close()
             raise

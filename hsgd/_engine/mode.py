@@ -11,9 +11,14 @@ base class holds what all modes need and checks what all modes take:
   broadcast from rank 0; the tensors the mode averages (``bind = "grad"`` or
   ``"data"``) become views into this rank's slot of a shared window
   (:class:`~hsgd._engine.binding.SlotBinding`);
-- the ``torch.optim.Optimizer`` look-alike surface (``param_groups``,
-  ``state_dict`` ...), ``traffic``, ``close()`` and the context manager;
-- ``step(closure)`` runs the closure, then the mode's :meth:`SyncMode._step`.
+- it *is* a ``torch.optim.Optimizer`` (composition inside: ``param_groups``,
+  ``state`` and ``defaults`` are the inner optimizer's own objects), so torch's
+  LR schedulers, ``GradScaler`` and optimizer hooks take the mode itself;
+  ``traffic``, ``close()`` and the context manager;
+- ``step(closure)`` runs the closure, then the mode's :meth:`SyncMode._step`;
+  under ``GradScaler.step()`` (``_step_supports_amp_scaling``) the gradients
+  are unscaled here and a non-finite one skips the inner step, so the scaler
+  never leaves one rank out of a collective ``step()``.
 
 A subclass sets ``name`` (its ``--sync`` choice in the trainer),
 ``bind``, ``replicas_differ`` (whether ranks' models differ between
@@ -32,30 +37,38 @@ branches on its name.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..broadcast import averaged_state_dict, broadcast_optimizer_state, broadcast_parameters, check_same_model
+from ..compression import COMPRESSIONS
 from ..errors import InputError, InputTypeError, InputValueError
 from ..faults import protect
 from ..faults.stall import StallInspector
 from ..inter_node import STRATEGIES
 from ..intra_node import Layout
+from ..replicas import averaged_state_dict, broadcast_optimizer_state, broadcast_parameters, check_same_model
 from ..topology import Topology
 from .agree import agree, collective_error
 from .averager import HierarchicalAverager
 from .binding import SlotBinding
 from .checks import check_choice, check_shares
+from .named import model_of
 
 __all__ = ["SyncMode"]
 
-def _check_common(optimizer, model, inter_node) -> None:
+
+def _check_common(optimizer, model, inter_node, compression) -> None:
+    if isinstance(optimizer, SyncMode):
+        raise InputTypeError(f"optimizer is already a {type(optimizer).__name__}; wrap the inner "
+                             f"torch optimizer (its .optimizer) in one mode only")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InputTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_choice("inter_node", inter_node, STRATEGIES)
+    check_choice("compression", "none" if compression is None else compression, COMPRESSIONS)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise InputValueError("LBFGS re-evaluates the closure inside step(); wrap a first-order optimizer")
     trained = {id(p) for p in model.parameters() if p.requires_grad}
@@ -66,15 +79,21 @@ def _check_common(optimizer, model, inter_node) -> None:
                                       "parameter of the model; pass the model whose parameters it trains")
 
 
-class SyncMode:
+class SyncMode(torch.optim.Optimizer):
     """Base class of the synchronization modes. Construction is collective.
 
     Args:
         optimizer: the inner ``torch.optim.Optimizer`` over ``model``'s parameters.
-        model: the replica on this rank; its trainable parameters are synchronized.
-        topology: a :class:`~hsgd.Topology`; default ``Topology.from_comm()``
-            (closed by :meth:`close` when built here).
+        model: the replica on this rank; its trainable parameters are synchronized,
+            its parameters and buffers broadcast and compared.
+        named_parameters: instead of ``model``, ``(name, parameter)`` pairs
+            (``model.named_parameters()``, Horovod's argument); without either, the
+            optimizer's parameters. Buffers are then neither broadcast nor compared.
+        topology: a :class:`~hsgd.Topology`; default ``Topology.from_comm()`` over the
+            world (closed by :meth:`close` when built here).
         inter_node: ``"leader"`` or ``"sharded"`` (see :mod:`hsgd.inter_node`).
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: the inter-node sums in 16 bits
+            (:mod:`hsgd.compression`).
         broadcast: copy parameters and buffers from rank 0 at construction.
         settings: the subclass's own arguments, checked by :meth:`_check`.
         stall_timeout, stall_abort: the stall inspector's (:mod:`hsgd.faults.stall`): report
@@ -88,15 +107,20 @@ class SyncMode:
     lockstep: ClassVar[bool] = True
     balances: ClassVar[bool] = False
     config_fields: ClassVar[Tuple[str, ...]] = ("inter_node",)
+    # GradScaler.step() then always calls step(), with grad_scale and found_inf set on us
+    _step_supports_amp_scaling: ClassVar[bool] = True
 
-    def __init__(self, optimizer, model, *, topology=None, inter_node="leader",
-                 broadcast=True, settings: Dict[str, object], stall_timeout=None, stall_abort=None):
+    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
+                 compression=None, broadcast=True, settings: Dict[str, object], stall_timeout=None,
+                 stall_abort=None):
         self._closed = True
         self._shares, self._weights = None, {}
+        self._init_optimizer_hooks()
         self._own_topology = topology is None
         self.topology = Topology.from_comm() if topology is None else topology
         try:
-            self._setup(optimizer, model, inter_node, broadcast, settings)
+            model = model_of(optimizer, model, named_parameters, self.topology.comm)
+            self._setup(optimizer, model, inter_node, compression, broadcast, settings)
             try:
                 self.stall = StallInspector(self.topology.comm, stall_timeout, stall_abort)
             except BaseException:
@@ -119,17 +143,29 @@ class SyncMode:
     def _step(self) -> None:
         raise NotImplementedError
 
-    def _setup(self, optimizer, model, inter_node, broadcast, settings) -> None:
+    def _init_optimizer_hooks(self) -> None:
+        """What ``torch.optim.Optimizer.__init__`` sets up for hooks (that one would also
+        copy the parameter groups: ours are the inner optimizer's)."""
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()  # step() runs the step pre- and post-hooks
+
+    def _setup(self, optimizer, model, inter_node, compression, broadcast, settings) -> None:
         comm = self.topology.comm
         protect(comm)  # from here on: abort, not hang; no files left
         error = None
         try:
-            _check_common(optimizer, model, inter_node)
+            _check_common(optimizer, model, inter_node, compression)
             self._check(**settings)
         except InputError as exc:
             error = exc
         agree(comm, error)
-        mine = (inter_node, sorted(settings.items()))
+        self.compression = None if compression == "none" else compression
+        mine = (inter_node, self.compression, sorted(settings.items()))
         if len(set(map(repr, comm.allgather(mine)))) > 1:
             raise collective_error(InputValueError, f"ranks were given different {type(self).__name__} "
                                    "settings; pass the same on every rank")
@@ -139,7 +175,7 @@ class SyncMode:
             raise collective_error(InputValueError, "the model has no trainable parameters")
         if broadcast:
             broadcast_parameters(model, comm)
-        self.optimizer, self.model = optimizer, model
+        self.optimizer, self.model, self._params = optimizer, model, params
         self._build(params, inter_node)
         self.num_steps = 0
         self._closed = False
@@ -147,7 +183,7 @@ class SyncMode:
     def _build(self, params, inter_node) -> None:
         """Build what keeps the replicas in step (collective). The default: a shared window
         with two-level averaging (:class:`HierarchicalAverager`), ``params`` bound to its slot."""
-        self.averager = HierarchicalAverager(self.topology, self._layout(params), inter_node)
+        self.averager = HierarchicalAverager(self.topology, self._layout(params), inter_node, self.compression)
         try:
             self._binding = SlotBinding(self.averager, params, self.bind, flags=self.bind == "grad")
         except BaseException:
@@ -169,9 +205,10 @@ class SyncMode:
         except InputTypeError as exc:  # same dtypes on every rank, so the same error
             raise collective_error(InputTypeError, str(exc)) from None
 
-    # --- torch.optim.Optimizer look-alike -------------------------------------
+    # --- torch.optim.Optimizer: the inner optimizer's groups, state and defaults ----------
     @property
     def param_groups(self):
+        """The inner optimizer's list itself: an LR set through either is seen by both."""
         return self.optimizer.param_groups
 
     @property
@@ -182,16 +219,31 @@ class SyncMode:
     def defaults(self):
         return self.optimizer.defaults
 
+    def add_param_group(self, param_group: dict) -> None:
+        raise InputValueError(f"{type(self).__name__} binds its parameters at construction; add the "
+                              "group to the inner optimizer before wrapping it")
+
     def state_dict(self) -> dict:
-        """The inner optimizer's state dict, plus ``"hsgd_steps"`` (the step count)."""
+        """The inner optimizer's state dict, plus ``"hsgd_steps"`` (the step count).
+        Runs the state-dict hooks registered on this optimizer."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
         state = self.optimizer.state_dict()
         state["hsgd_steps"] = self.num_steps
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state)
+            state = state if result is None else result
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         state_dict = dict(state_dict)
         self.num_steps = int(state_dict.pop("hsgd_steps", 0))
         self.optimizer.load_state_dict(state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def broadcast_state(self, root: int = 0) -> None:
         """Copy optimizer state and step count from ``root`` (after it loaded a checkpoint)."""
@@ -218,7 +270,7 @@ class SyncMode:
     def shared_state_dict(self) -> dict:
         """The model worth evaluating and saving, on the CPU, the same on every rank. Collective.
 
-        The ranks' average (:func:`~hsgd.broadcast.averaged_state_dict`): the
+        The ranks' average (:func:`~hsgd.replicas.averaged_state_dict`): the
         replicas themselves in synchronous SGD, their consensus in local SGD.
         """
         return averaged_state_dict(self.model, self.topology.comm)
@@ -276,10 +328,34 @@ class SyncMode:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._skip_inner = False
         with self.stall.waiting(self.num_steps):
             self._step()
         self.num_steps += 1
         return loss
+
+    def _amp_inverse_scale(self) -> float:
+        """1 / the loss scale that ``GradScaler.step()`` set on this optimizer for this step
+        (``grad_scale``; ``None`` once ``unscale_`` ran), else 1."""
+        scale = getattr(self, "grad_scale", None)
+        return 1.0 if scale is None else 1.0 / float(scale)
+
+    def _unscale_local(self) -> None:
+        """Under ``GradScaler.step()``: unscale this rank's own gradients, and skip the inner
+        step if one is not finite (modes whose gradients are local; the scaler checked the
+        same gradients, so it skips its update alike)."""
+        if not hasattr(self, "found_inf"):
+            return
+        inverse = self._amp_inverse_scale()
+        grads = [p.grad for p in self._params if p.grad is not None]
+        for grad in grads if inverse != 1.0 else ():
+            grad.mul_(inverse)
+        self._skip_inner = not all(bool(torch.isfinite(g).all()) for g in grads)
+
+    def _optimizer_step(self) -> None:
+        """The inner optimizer's step, unless :meth:`_unscale_local` found a non-finite gradient."""
+        if not self._skip_inner:
+            self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_open()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import List, Optional, get_type_hints
 
 from .._engine.agree import collective_error
+from ..compression import COMPRESSIONS
 from ..errors import InputValueError
 from ..gossip.graphs import GRAPHS
 from ..gossip.sgd import DEFAULT_THETA
@@ -91,6 +92,9 @@ class TrainConfig:
                                               "the norm of the one it last sent; 0: every step, inf: never "
                                               "(--sync gossip)")
     inter_node: str = _opt("leader", "leader | sharded inter-node allreduce", choices=list(STRATEGIES))
+    compression: str = _opt("none", "none | fp16 | bf16: the inter-node sums cross nodes in 16 bits, "
+                                    "halving inter-node bytes; nothing changes inside a node "
+                                    "(--sync sync | local)", choices=list(COMPRESSIONS))
     ranks_per_node: Optional[int] = _opt(None, "virtual node size (env HSGD_RANKS_PER_NODE); default: physical nodes")
     # --- output ---
     run_dir: Optional[str] = _opt(None, "where config.json and metrics.jsonl go; default runs/<time>")

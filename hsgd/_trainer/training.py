@@ -18,11 +18,11 @@ import torch
 from mpi4py import MPI
 
 from .._engine.agree import check_all, on_root
-from ..broadcast import average_buffers
 from ..data import ensure_mnist1d
 from ..errors import InputValueError
 from ..lars import LARS
 from ..parallel_io import ContiguousH5Loader
+from ..replicas import average_buffers
 from ..schedules import WarmupMultiStepLR, WarmupPolyLR, scaled_lr
 from .checkpoint import load_checkpoint, newest_loadable
 from .config import TrainConfig

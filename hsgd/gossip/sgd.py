@@ -87,10 +87,11 @@ class GossipSGD(SyncMode):
     lockstep = False  # peers wait for peers, nobody for everybody
     config_fields = ("gossip_graph", "gossip_theta")
 
-    def __init__(self, optimizer, model, *, topology=None, graph="exponential", theta=DEFAULT_THETA,
-                 seed=0, broadcast=True, stall_timeout=None, stall_abort=None):
+    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, graph="exponential",
+                 theta=DEFAULT_THETA, seed=0, broadcast=True, stall_timeout=None, stall_abort=None):
         self.graph_name, self.theta, self.seed = graph, theta, seed
-        super().__init__(optimizer, model, topology=topology, broadcast=broadcast,
+        super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
+                         broadcast=broadcast,
                          settings={"graph": graph, "theta": theta, "seed": seed},
                          stall_timeout=stall_timeout, stall_abort=stall_abort)
 
@@ -135,7 +136,8 @@ class GossipSGD(SyncMode):
 
     # --- the step -----------------------------------------------------------------------------
     def _step(self) -> None:
-        self.optimizer.step()
+        self._unscale_local()
+        self._optimizer_step()
         if math.isinf(self.theta):
             return  # nobody ever sends: no round at all
         outs, ins = self.graph.peers(self.num_steps, self.topology.rank)

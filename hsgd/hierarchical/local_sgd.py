@@ -11,7 +11,7 @@ every step, which equals synchronous SGD for plain SGD without momentum.
 The parameters *are* views into this rank's slot of the shared window, so
 the optimizer's update writes straight into shared memory. Between global
 averagings the ranks' models differ: evaluate and save their average
-(``hsgd.broadcast.averaged_state_dict``), as the trainer does.
+(``hsgd.replicas.averaged_state_dict``), as the trainer does.
 
 Example::
 
@@ -47,13 +47,14 @@ class HierarchicalLocalSGD(SyncMode):
     bind = "data"
     replicas_differ = True
     balances = True
-    config_fields = ("inter_node", "intra_period", "inter_period")
+    config_fields = ("inter_node", "compression", "intra_period", "inter_period")
 
-    def __init__(self, optimizer, model, *, topology=None, inter_node="leader",
-                 intra_period=1, inter_period=1, broadcast=True, stall_timeout=None, stall_abort=None):
+    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
+                 compression=None, intra_period=1, inter_period=1, broadcast=True, stall_timeout=None,
+                 stall_abort=None):
         self.intra_period, self.inter_period = intra_period, inter_period
-        super().__init__(optimizer, model, topology=topology, inter_node=inter_node,
-                         broadcast=broadcast,
+        super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
+                         inter_node=inter_node, compression=compression, broadcast=broadcast,
                          settings={"intra_period": intra_period, "inter_period": inter_period},
                          stall_timeout=stall_timeout, stall_abort=stall_abort)
 
@@ -70,7 +71,8 @@ class HierarchicalLocalSGD(SyncMode):
         return None
 
     def _step(self) -> None:
-        self.optimizer.step()
+        self._unscale_local()
+        self._optimizer_step()
         level = self.averaging_level(self.num_steps)
         if level is None:
             return

@@ -24,7 +24,20 @@ Example::
     ...         opt.step()                               # averaging again
     >>> opt.close()
 
-LR schedulers attach to the inner optimizer: ``Scheduler(opt.optimizer, ...)``.
+The wrapper is a ``torch.optim.Optimizer``: LR schedulers, ``GradScaler`` and
+optimizer hooks take it directly (``StepLR(opt, 10)``; ``scaler.step(opt)``).
+With a ``GradScaler``, ``scaler.step(opt)`` averages the scaled gradients with
+each rank's own scale divided out, and steps only if the averages are finite,
+on every rank alike. To clip, average first, then unscale the (identical)
+averages::
+
+    >>> scaler.scale(loss).backward()
+    >>> opt.synchronize()
+    >>> scaler.unscale_(opt)
+    >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    >>> with opt.skip_synchronize():
+    ...     scaler.step(opt)
+    >>> scaler.update()
 """
 
 from __future__ import annotations
@@ -54,14 +67,16 @@ class HierarchicalSGD(SyncMode):
     name = "sync"
     bind = "grad"
     balances = True
+    config_fields = ("inter_node", "compression")
 
-    def __init__(self, optimizer, model, *, topology=None, inter_node="leader",
-                 backward_passes_per_step=1, broadcast=True, stall_timeout=None, stall_abort=None):
+    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
+                 compression=None, backward_passes_per_step=1, broadcast=True, stall_timeout=None,
+                 stall_abort=None):
         self.backward_passes_per_step = backward_passes_per_step
         self._synchronized = False
         self._skip = False
-        super().__init__(optimizer, model, topology=topology, inter_node=inter_node,
-                         broadcast=broadcast,
+        super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
+                         inter_node=inter_node, compression=compression, broadcast=broadcast,
                          settings={"backward_passes_per_step": backward_passes_per_step},
                          stall_timeout=stall_timeout, stall_abort=stall_abort)
 
@@ -74,8 +89,10 @@ class HierarchicalSGD(SyncMode):
         if self._synchronized:
             return
         self._binding.gather()
-        weight = self._weight("global")
-        if weight != 1.0:  # batch_shares: the average weights rank r by its batch
+        # batch_shares: the average weights rank r by its batch; under GradScaler.step() each
+        # rank's gradients are unscaled by its own loss scale before they are summed
+        weight = self._weight("global") * self._amp_inverse_scale()
+        if weight != 1.0:
             self._binding.scale_(weight)
         with self.stall.waiting(self.num_steps, "synchronize()"):
             self.averager.average("global", 1.0 / self.backward_passes_per_step)
@@ -105,9 +122,15 @@ class HierarchicalSGD(SyncMode):
         if self._skip and not self._synchronized:
             warnings.warn("step() inside skip_synchronize() without synchronize(): "
                           "each rank steps on its own gradients", stacklevel=3)
-        elif not self._skip and not self._synchronized:
-            self.synchronize()
-        self.optimizer.step()
+            self._unscale_local()
+        elif not self._synchronized:
+            self.synchronize()  # unscales too, under GradScaler.step()
+        elif hasattr(self, "found_inf"):  # GradScaler.step() after synchronize()
+            self._unscale_local()
+        if hasattr(self, "found_inf") and self._synchronized:
+            # the averages are the same on every rank: all step or all skip, with the scaler
+            self._skip_inner = not self.gradients_finite()
+        self._optimizer_step()
         self._synchronized = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:

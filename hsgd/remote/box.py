@@ -158,10 +158,11 @@ class ElasticSGD(BoxMode):
     name = "elastic"
     config_fields = ("alpha", "tau")
 
-    def __init__(self, optimizer, model, *, topology=None, alpha=0.2, tau=1, broadcast=True,
-                 stall_timeout=None, stall_abort=None):
+    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, alpha=0.2, tau=1,
+                 broadcast=True, stall_timeout=None, stall_abort=None):
         self.alpha, self.tau, self._delta = alpha, tau, None
-        super().__init__(optimizer, model, topology=topology, broadcast=broadcast,
+        super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
+                         broadcast=broadcast,
                          settings={"alpha": alpha, "tau": tau}, stall_timeout=stall_timeout,
                          stall_abort=stall_abort)
 
@@ -171,7 +172,8 @@ class ElasticSGD(BoxMode):
         check_int("tau", tau)
 
     def _step(self) -> None:
-        self.optimizer.step()
+        self._unscale_local()
+        self._optimizer_step()
         if (self.num_steps + 1) % self.tau:
             return
         start = time.perf_counter()
@@ -201,10 +203,11 @@ class AsyncSGD(BoxMode):
     name = "async"
     config_fields = ()
 
-    def __init__(self, optimizer, model, *, topology=None, broadcast=True, stall_timeout=None,
-                 stall_abort=None):
+    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, broadcast=True,
+                 stall_timeout=None, stall_abort=None):
         self._change = None
-        super().__init__(optimizer, model, topology=topology, broadcast=broadcast, settings={},
+        super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
+                         broadcast=broadcast, settings={},
                          stall_timeout=stall_timeout, stall_abort=stall_abort)
 
     def _step(self) -> None:
@@ -212,7 +215,8 @@ class AsyncSGD(BoxMode):
         if self._change is None:
             self._change = torch.empty_like(self.local)
         before = self._change.copy_(self.local)
-        self.optimizer.step()
+        self._unscale_local()
+        self._optimizer_step()
         start = time.perf_counter()
         self._binding.gather()
         self.box.accumulate(0, before.neg_().add_(self.local))  # the step's change, in place

@@ -76,7 +76,7 @@ def _tensorboard_scalars(path):
 
 
 LOCAL_SGD = ["--sync", "local", "--intra-period", "2", "--inter-period", "2",
-             "--ranks-per-node", "1"]
+             "--ranks-per-node", "1", "--compression", "bf16"]
 
 
 # 1600 training samples at batch 64: 25 steps per epoch, so 25 stops on an epoch's last step

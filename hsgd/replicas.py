@@ -12,17 +12,18 @@ Example::
 
     >>> if rank == 0:
     ...     optimizer.load_state_dict(torch.load(path, weights_only=True))
-    >>> broadcast_optimizer_state(optimizer, comm)
+    >>> broadcast_optimizer_state(optimizer, root_rank=0)   # communicator: the world by default
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import List, Optional, Tuple
 
 import torch
 
-from ._engine.agree import agree, collective_error
-from .errors import InputValueError
+from ._engine.agree import agree, check_all, collective_error
+from .errors import InputTypeError, InputValueError
 
 __all__ = ["check_same_model", "broadcast_parameters", "average_buffers", "averaged_state_dict",
            "broadcast_optimizer_state", "broadcast_tensor_"]
@@ -30,10 +31,48 @@ __all__ = ["check_same_model", "broadcast_parameters", "average_buffers", "avera
 Signature = List[Tuple[str, Tuple[int, ...], str, bool]]
 
 
-def _signature(module: torch.nn.Module) -> Signature:
+def _named_tensors(params) -> List[Tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs of a module (parameters and buffers), a state dict or an
+    iterable of pairs (``model.named_parameters()``)."""
+    if isinstance(params, torch.nn.Module):
+        items = params.state_dict(keep_vars=True).items()
+    elif isinstance(params, Mapping):
+        items = params.items()
+    elif isinstance(params, (torch.Tensor, str, bytes)) or not isinstance(params, Iterable):
+        raise InputTypeError(f"expected a torch.nn.Module, a state dict or an iterable of (name, tensor) "
+                             f"pairs, got {type(params).__name__}")
+    else:
+        items = list(params)
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise InputTypeError(f"expected (name, tensor) pairs such as model.named_parameters(), "
+                                     f"got an element {type(item).__name__}")
+    return [(name, t) for name, t in items if isinstance(t, torch.Tensor)]
+
+
+def _signature(params) -> Signature:
     return [(name, tuple(t.shape), str(t.dtype).replace("torch.", ""), bool(t.requires_grad))
-            for name, t in module.state_dict(keep_vars=True).items()
-            if isinstance(t, torch.Tensor)]
+            for name, t in _named_tensors(params)]
+
+
+def _world(comm):
+    if comm is None:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD
+    if isinstance(comm, int):
+        raise InputTypeError(f"the communicator argument got the int {comm}; pass the root as "
+                             f"root_rank={comm} (the second argument is the communicator)")
+    return comm
+
+
+def _root(root: int, root_rank: Optional[int]) -> int:
+    """``root_rank`` (Horovod's name) is an alias of ``root``."""
+    if root_rank is None:
+        return root
+    if root not in (0, root_rank):
+        raise InputValueError(f"root={root} and root_rank={root_rank} disagree; pass one of them")
+    return root_rank
 
 
 def _describe(entry) -> str:
@@ -53,14 +92,16 @@ def _first_difference(mine: Signature, ref: Signature, rank: int) -> Optional[st
     return None
 
 
-def check_same_model(module: torch.nn.Module, comm) -> None:
+def check_same_model(module, comm=None) -> None:
     """Raise ``ValueError`` on every rank unless all ranks hold the same model.
 
     Collective. Compares every parameter and buffer (name, shape, dtype, and
     whether it is trained), in order, against rank 0, so that neither the
     broadcasts nor the averaging can meet buffers of different sizes.
+    ``module`` may also be a state dict or ``(name, tensor)`` pairs.
     """
-    signatures = comm.allgather(_signature(module))
+    comm = _world(comm)
+    signatures = comm.allgather(check_all(comm, _signature, module))
     for rank, sig in enumerate(signatures):
         diff = _first_difference(sig, signatures[0], rank)
         if diff is not None:
@@ -88,21 +129,42 @@ def broadcast_tensor_(tensor: torch.Tensor, comm, root: int = 0) -> None:
         tensor.detach().copy_(host)
 
 
-def broadcast_parameters(module: torch.nn.Module, comm, root: int = 0) -> None:
-    """Copy every parameter and buffer of ``module`` from ``root``. Collective."""
+def broadcast_parameters(params, comm=None, root: int = 0, *, root_rank: Optional[int] = None) -> None:
+    """Copy tensors from ``root`` (``root_rank``: the same, Horovod's name), in place. Collective.
+
+    ``params``: a module (every parameter and buffer), a state dict
+    (``model.state_dict()``: its tensors share the model's storage) or an
+    iterable of ``(name, tensor)`` pairs (``model.named_parameters()``). The
+    ranks' names, shapes and dtypes must match (checked first: a mismatch
+    raises the same ``ValueError`` on every rank).
+    """
+    comm = _world(comm)
+    root = check_all(comm, _checked_root, root, root_rank, comm)
+    pairs = check_all(comm, _named_tensors, params)  # once: params may be a generator
+    check_same_model(pairs, comm)
     with torch.no_grad():
-        for _, tensor in module.state_dict(keep_vars=True).items():
-            if isinstance(tensor, torch.Tensor):
-                broadcast_tensor_(tensor, comm, root)
+        for _, tensor in pairs:
+            broadcast_tensor_(tensor, comm, root)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm, root: int = 0) -> None:
+def _checked_root(root, root_rank, comm) -> int:
+    root = _root(root, root_rank)
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.Get_size():
+        raise InputValueError(f"root_rank must be a rank from 0 to {comm.Get_size() - 1}, got {root!r}")
+    return root
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm=None, root: int = 0, *,
+                              root_rank: Optional[int] = None) -> None:
     """Make ``optimizer``'s state and hyperparameters equal to ``root``'s. Collective.
 
     Rank ``root``'s ``state_dict()`` is sent to all ranks (tensors moved to
     the CPU for the transfer) and loaded there; ``load_state_dict`` moves the
     state to each parameter's device. Raises on every rank if it fails on any.
+    Any ``torch.optim.Optimizer``, an hsgd mode included (its step count too).
     """
+    comm = _world(comm)
+    root = check_all(comm, _checked_root, root, root_rank, comm)
     state = None
     if comm.Get_rank() == root:
         state = _to_cpu(optimizer.state_dict())
@@ -126,8 +188,7 @@ def _to_cpu(obj):
     return obj
 
 
-
-def average_buffers(module: torch.nn.Module, comm) -> None:
+def average_buffers(module: torch.nn.Module, comm=None) -> None:
     """Average floating-point buffers (e.g. BatchNorm running statistics) over ranks.
 
     Gradient averaging keeps parameters identical but not buffers, which each
@@ -137,6 +198,7 @@ def average_buffers(module: torch.nn.Module, comm) -> None:
     """
     from mpi4py import MPI
 
+    comm = _world(comm)
     with torch.no_grad():
         for buf in module.buffers():
             if not buf.is_floating_point():
@@ -147,7 +209,7 @@ def average_buffers(module: torch.nn.Module, comm) -> None:
             buf.copy_(host.div_(comm.Get_size()))
 
 
-def averaged_state_dict(module: torch.nn.Module, comm) -> dict:
+def averaged_state_dict(module: torch.nn.Module, comm=None) -> dict:
     """``module.state_dict()`` with floating-point entries averaged over ranks, on the CPU.
 
     The module itself is not changed. Synchronous replicas are identical, so
@@ -156,6 +218,7 @@ def averaged_state_dict(module: torch.nn.Module, comm) -> dict:
     """
     from mpi4py import MPI
 
+    comm = _world(comm)
     averaged = {}
     for key, value in module.state_dict().items():
         value = value.detach().to("cpu", copy=True).contiguous()
