@@ -173,28 +173,27 @@ def _reduced(tensor: torch.Tensor, op: str, comm) -> torch.Tensor:
     return host
 
 
-def allreduce(tensor: torch.Tensor, op: str = "mean", comm=None) -> torch.Tensor:
-    """A new tensor: ``tensor`` reduced over all ranks by ``op`` (mean, sum, min, max),
-    on ``tensor``'s device and dtype. Collective; the ranks' shapes and dtypes must match."""
-    comm = _comm(comm)
+def _agreed_reduction(what: str, tensor, op: str, comm) -> None:
     error = None
     try:
         _check_reduction(tensor, op)
     except InputError as exc:
         error = exc
-    _negotiate(comm, "allreduce", error, _tensor_meta(tensor, ("op", op)))
+    _negotiate(comm, what, error, _tensor_meta(tensor, ("op", op)))
+
+
+def allreduce(tensor: torch.Tensor, op: str = "mean", comm=None) -> torch.Tensor:
+    """A new tensor: ``tensor`` reduced over all ranks by ``op`` (mean, sum, min, max),
+    on ``tensor``'s device and dtype. Collective; the ranks' shapes and dtypes must match."""
+    comm = _comm(comm)
+    _agreed_reduction("allreduce", tensor, op, comm)
     return _reduced(tensor, op, comm).to(tensor.device, tensor.dtype)
 
 
 def allreduce_(tensor: torch.Tensor, op: str = "mean", comm=None) -> torch.Tensor:
     """:func:`allreduce` in place: ``tensor`` is overwritten and returned."""
     comm = _comm(comm)
-    error = None
-    try:
-        _check_reduction(tensor, op)
-    except InputError as exc:
-        error = exc
-    _negotiate(comm, "allreduce_", error, _tensor_meta(tensor, ("op", op)))
+    _agreed_reduction("allreduce_", tensor, op, comm)
     with torch.no_grad():
         tensor.copy_(_reduced(tensor, op, comm))
     return tensor

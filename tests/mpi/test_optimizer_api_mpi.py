@@ -42,6 +42,13 @@ def train(comm, attach, steps=STEPS, **kwargs):
     return params_of(model)
 
 
+def plain(opt):
+    def step(loss, model):
+        loss.backward()
+        opt.step()
+    return step
+
+
 def test_the_wrapper_is_an_optimizer_sharing_the_inner_groups(comm):
     model = mlp(torch.float64)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -78,17 +85,11 @@ def test_an_lr_scheduler_on_the_wrapper_equals_one_on_the_inner_optimizer(comm):
             sched.step()
         return step
 
-    def constant(opt):
-        def step(loss, model):
-            loss.backward()
-            opt.step()
-        return step
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
         scheduled = train(comm, on_wrapper)
     assert torch.equal(scheduled, train(comm, on_inner))
-    assert not torch.equal(scheduled, train(comm, constant))  # the schedule did change something
+    assert not torch.equal(scheduled, train(comm, plain))  # the schedule did change something
 
 
 def test_step_and_state_dict_hooks_run_on_the_wrapper(comm):
@@ -146,14 +147,8 @@ def recipe_with_clipping_on_the_inner_optimizer(scaler, opt, model):
 
 
 def test_a_grad_scaler_on_the_wrapper_equals_one_on_the_inner_optimizer(comm):
-    def unscaled(opt):
-        def step(loss, model):
-            loss.backward()
-            opt.step()
-        return step
-
     # a power-of-two scale divides out exactly, so every path gives unscaled SGD's parameters
-    reference = train(comm, unscaled)
+    reference = train(comm, plain)
     assert torch.equal(train(comm, scaled(plain_step)), reference)
     clipped = train(comm, scaled(recipe_with_clipping_on_the_wrapper))
     assert torch.equal(clipped, train(comm, scaled(recipe_with_clipping_on_the_inner_optimizer)))
@@ -187,12 +182,6 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(comm, mode):
 
 
 def test_named_parameters_in_place_of_the_model(comm):
-    def plain(opt):
-        def step(loss, model):
-            loss.backward()
-            opt.step()
-        return step
-
     reference = train(comm, plain)
     for how in ("named", "optimizer only"):
         model = mlp(torch.float64)
