@@ -80,7 +80,7 @@ class RemoteMemory:
     """A region of ``numel`` elements of ``dtype``, sharded over ``owners``. Collective.
 
     Args:
-        comm: the ranks that use the region (an ``mpi4py`` intracommunicator).
+        comm: the ranks that use the region (an ``mpi4py`` intracommunicator; ``None``: the world).
         numel: elements in the region.
         dtype: ``torch.float32`` (default), ``float64``, ``int32`` or ``int64``.
         owners: the ranks that hold the region's memory, in contiguous shards
@@ -96,6 +96,7 @@ class RemoteMemory:
     def __init__(self, comm, numel: int, dtype=torch.float32, owners: Optional[Sequence[int]] = None,
                  *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, topology: Optional[Topology] = None):
         self._closed = True
+        comm = MPI.COMM_WORLD if comm is None else comm
         owners, node_ranks = agree_owners(comm, numel, dtype, owners, chunk_bytes, topology)
         self.comm, self.numel, self.dtype, self.owners = comm, int(numel), dtype, owners
         self._np_dtype, self._mpi_type = DTYPES[dtype]

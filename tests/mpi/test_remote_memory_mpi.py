@@ -223,3 +223,14 @@ def test_bad_operations_raise_before_any_mpi_call(comm):
     with pytest.raises(RuntimeError, match="closed"):
         with mem.lock():
             pass
+
+
+def test_no_communicator_means_the_world(comm):
+    mem = RemoteMemory(None, 4, dtype=torch.float64)
+    assert mem.comm == comm
+    mem.accumulate(0, torch.ones(4, dtype=torch.float64))
+    comm.Barrier()
+    out = torch.empty(4, dtype=torch.float64)
+    mem.read(0, out)
+    assert out.tolist() == [comm.Get_size()] * 4
+    mem.close()
