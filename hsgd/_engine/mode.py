@@ -119,8 +119,7 @@ class SyncMode(torch.optim.Optimizer):
         self._own_topology = topology is None
         self.topology = Topology.from_comm() if topology is None else topology
         try:
-            model = model_of(optimizer, model, named_parameters, self.topology.comm)
-            self._setup(optimizer, model, inter_node, compression, broadcast, settings)
+            self._setup(optimizer, (model, named_parameters), inter_node, compression, broadcast, settings)
             try:
                 self.stall = StallInspector(self.topology.comm, stall_timeout, stall_abort)
             except BaseException:
@@ -157,6 +156,7 @@ class SyncMode(torch.optim.Optimizer):
     def _setup(self, optimizer, model, inter_node, compression, broadcast, settings) -> None:
         comm = self.topology.comm
         protect(comm)  # from here on: abort, not hang; no files left
+        model = model_of(optimizer, *model, comm)  # (model, named_parameters): a module
         error = None
         try:
             _check_common(optimizer, model, inter_node, compression)
