@@ -74,6 +74,9 @@ def _worker(module, args) -> int:
     """Under mpiexec: every rank measures; rank 0 writes the result for the launching process."""
     from mpi4py import MPI
 
+    from hsgd.faults import protect
+
+    protect(MPI.COMM_WORLD)  # an exception on one rank aborts the job; MPI's files unlinked once attached
     result = module.worker(args)
     if MPI.COMM_WORLD.Get_rank() == 0:
         args._worker_out.write_text(json.dumps(result))

@@ -121,15 +121,16 @@ def _descendants(root: int) -> List[int]:
 
 def run_workers(subcommand: str, ranks: int, argv: Sequence[str], timeout: Optional[float] = None,
                 drop_env: Sequence[str] = ()):
-    """``mpiexec -n RANKS python -m mpi4py -m hsgd.bench SUBCOMMAND ARGV``: every rank runs the
-    subcommand's ``worker(args)``; returns what rank 0's returned (JSON round trip).
+    """``mpiexec -n RANKS python -m hsgd.bench SUBCOMMAND ARGV --worker-out FILE``: every rank
+    runs the subcommand's ``worker(args)``; returns what rank 0's returned (JSON round trip).
 
-    ``-m mpi4py`` turns an exception on one rank into ``MPI_Abort``, so a
-    failing rank ends the job instead of leaving the others in a collective.
+    The workers start with :func:`hsgd.faults.protect`: an exception on one
+    rank aborts the job instead of leaving the others in a collective, and
+    MPI's files are unlinked, so an aborted job leaves nothing behind.
     """
     with tempfile.TemporaryDirectory(prefix="hsgd-bench-") as tmp:
         out = Path(tmp) / "worker.json"
-        cmd = mpi_command(ranks, ["-m", "mpi4py", "-m", "hsgd.bench", subcommand, *argv,
+        cmd = mpi_command(ranks, ["-m", "hsgd.bench", subcommand, *argv,
                                   "--worker-out", str(out)])
         proc = run_job(cmd, mpi_env(drop=drop_env), timeout)
         if proc.returncode != 0 or not out.exists():
