@@ -9,10 +9,11 @@ repeat. Nothing here asserts on a timing. A bad option must give one
 """
 
 import json
+import subprocess
 import sys
 
 import pytest
-from mpirun import run_command
+from mpirun import ROOT, run_command
 
 from hsgd.bench import SUBCOMMANDS
 
@@ -92,11 +93,13 @@ def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, ca
     (["box", "--ranks", "1"], "argument --ranks: 1 is too small: use at least 2 (a server and a worker)"),
     (["box", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
     (["io", "--json", "/nonexistent-dir/x.json"], "argument --json: the directory /nonexistent-dir does not exist"),
+    (["io", "--gib", "0.0001", "--ranks", "2"], "argument --gib: a 3x32x32 f32 file of 0.0001 GiB holds 8 samples"),
     (["lars", "--runs", "sgd-512"], "argument --runs: invalid choice: 'sgd-512'"),
     (["nosuch"], "argument SUBCOMMAND: invalid choice: 'nosuch'"),
 ])
 def test_a_bad_option_gives_one_error_and_exit_2(args, message):
-    proc = bench(*args, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "hsgd.bench", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)  # launches nothing
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], proc.stderr
