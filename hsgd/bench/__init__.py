@@ -24,10 +24,15 @@ Subcommands (one module each in this package, listed in :data:`SUBCOMMANDS`):
 - ``faults``: every fault hsgd handles, injected, and how the job ended.
 
 A subcommand module has a docstring (its ``--help``: what is measured and
-how), ``add_arguments(parser)`` and ``run(args, extra) -> Result``; one that
-runs on every rank of an MPI job also has ``worker(args)``, called under
-``mpiexec`` (see :func:`hsgd.bench._launch.run_workers`). Adding a
-subcommand is one module and one line in :data:`SUBCOMMANDS`.
+how), ``add_arguments(parser)`` and ``run(args, extra) -> Result``
+(:class:`hsgd.bench._harness.Result`: its tables and raw measurements); one
+that runs on every rank of an MPI job also has ``worker(args)``, called
+under ``mpiexec`` (see :func:`hsgd.bench._launch.run_workers`). Optional:
+``check(args, extra, parser)``, which calls ``parser.error`` on settings that
+cannot run, before anything starts, and ``PASSES_ON = True`` to receive the
+options it does not know in ``extra`` (for ``python -m hsgd.train``) instead
+of rejecting them. Adding a subcommand is one module and one line in
+:data:`SUBCOMMANDS`.
 """
 
 __all__ = ["SUBCOMMANDS"]
