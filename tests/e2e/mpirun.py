@@ -40,7 +40,7 @@ TORCH_CACHE = "torchinductor_"
 GRACE_S = 10.0
 
 __all__ = ["ROOT", "TIMEOUT_S", "mpiexec", "mpi_flavour", "mpi_command", "mpi_env",
-           "run_mpi", "snapshot", "remove_leftovers"]
+           "run_mpi", "run_command", "snapshot", "remove_leftovers"]
 
 
 def mpiexec() -> str:
@@ -122,7 +122,13 @@ def kill_job(proc: subprocess.Popen) -> None:
 def run_mpi(nprocs: int, args: Sequence[str], timeout: float = TIMEOUT_S,
             env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` on ``nprocs`` ranks; fail on a hang or on files left behind."""
-    cmd = mpi_command(nprocs, args)
+    return run_command(mpi_command(nprocs, args), timeout, env)
+
+
+def run_command(cmd: Sequence[str], timeout: float = TIMEOUT_S,
+                env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (an MPI job, or a command that launches some) as :func:`run_mpi` does."""
+    cmd = list(cmd)
     before = snapshot()
     tmpdir = tempfile.mkdtemp(prefix="hsgd-job-")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(env, tmpdir), stdout=subprocess.PIPE,

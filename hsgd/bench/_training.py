@@ -1,0 +1,52 @@
+"""Training runs for the benchmarks that measure ``python -m hsgd.train`` (modes, gossip, lars).
+
+:class:`Runs` starts one ``mpiexec -n RANKS python -m hsgd.train`` at a time,
+each in a fresh run directory, and returns its epoch records (the
+``"event": "epoch"`` lines of ``metrics.jsonl``) and its wall seconds,
+start-up included. ``warmup`` untimed one-epoch runs come first; the first
+generates the data set into the cache directory, so no timed run pays for it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from ._launch import mpi_command, mpi_env, run_job
+
+__all__ = ["Runs"]
+
+
+class Runs:
+    """``runs(*options)``: one training run with ``options`` (and ``extra``, the options the
+    benchmark passes on); returns (epoch records, wall seconds). ``warmup`` runs of
+    ``warmup_options --epochs 1`` come first, untimed. ``progress``: a
+    :class:`~hsgd.bench._harness.Progress` stepped after each run, warm-up included;
+    ``commands``: every run's command line."""
+
+    def __init__(self, ranks: int, tmp: str, cache_dir: Optional[str] = None, extra: Sequence[str] = (),
+                 warmup: int = 1, progress=None, warmup_options: Sequence[str] = ()):
+        self.ranks, self.tmp, self.extra, self.count = ranks, Path(tmp), list(extra), 0
+        self.cache = cache_dir or str(self.tmp / "cache")
+        self.progress, self.commands = progress, []
+        for _ in range(warmup):
+            self(*warmup_options, "--epochs", "1")
+
+    def __call__(self, *options: str) -> Tuple[List[dict], float]:
+        self.count += 1
+        run_dir = self.tmp / f"run{self.count}"
+        cmd = mpi_command(self.ranks, ["-m", "hsgd.train", "--cache-dir", self.cache, "--run-dir", str(run_dir),
+                                       "--progress", "none", *options, *self.extra])
+        start = time.perf_counter()
+        out = run_job(cmd, mpi_env(one_thread=False))
+        seconds = time.perf_counter() - start
+        if out.returncode:
+            sys.exit(f"hsgd.bench: {' '.join(cmd)} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
+        self.commands.append(cmd)
+        if self.progress is not None:
+            self.progress.step(" ".join(options))
+        records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        return [r for r in records if r["event"] == "epoch"], seconds

@@ -1,0 +1,133 @@
+"""Averaging: hsgd's shared-memory average vs MPI Allreduce vs gloo.
+
+One command runs everything (it launches ``mpiexec`` itself for each rank
+count)::
+
+    python -m hsgd.bench allreduce                    # 2 and 4 ranks, 1M/10M/25M floats
+    python -m hsgd.bench allreduce --ranks 2 --sizes 1e6 --repeats 5
+
+For every rank count and buffer size, in the same MPI job, side by side:
+
+* ``hsgd``: :class:`hsgd.hierarchical.HierarchicalAverager` on one node (the
+  buffer is the rank's slot in the shared window, as gradients are in training);
+* ``hsgd 2-level``: the same with virtual nodes of 2 ranks (4 ranks or more),
+  so the inter-node MPI allreduce runs too;
+* ``MPI``: ``comm.Allreduce(MPI.IN_PLACE, buf)`` then ``buf *= 1/size``;
+* ``gloo``: ``torch.distributed.all_reduce`` (gloo over loopback) then ``div_``.
+
+Each timing is the slowest rank's time for one average, after a barrier;
+``--warmup`` averages first, untimed. The table shows the median over
+``--repeats`` and the ratios to hsgd. Rank 0 also measures single-process
+memory bandwidth (copy and add of one buffer of the same size, median of
+``--repeats``) as the physical floor. Torch uses one thread per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+
+from ._harness import Progress, Result, Table, add_repeat_options, clock, int_at_least, median, positive_float, repeat
+from ._launch import run_workers
+
+METHODS = ("hsgd", "hsgd 2-level", "MPI", "gloo")
+COLUMNS = ("ranks", "floats", "hsgd ms", "hsgd 2-level ms", "MPI ms", "gloo ms", "MPI/hsgd", "gloo/hsgd",
+           "copy ms", "add ms")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--ranks", type=int_at_least(1), nargs="+", default=[2, 4], help="rank counts (2 4)")
+    p.add_argument("--sizes", type=positive_float, nargs="+", default=[1e6, 1e7, 2.5e7],
+                   help="float32 elements per buffer (1e6 1e7 2.5e7)")
+    add_repeat_options(p, repeats=10, warmup=2, what="averages")
+    p.add_argument("--port", dest="_port", type=int, default=0, help=argparse.SUPPRESS)  # gloo's, set by run()
+
+
+def run(args, extra) -> Result:
+    rows = []
+    with Progress(len(args.ranks), "hsgd.bench allreduce", args.progress) as progress:
+        for ranks in args.ranks:
+            rows += run_workers("allreduce", ranks, [*args._argv, "--port", str(_free_port())],
+                                timeout=1800, drop_env=["HSGD_RANKS_PER_NODE"])
+            progress.step(f"{ranks} ranks")
+    title = (f"median of {args.repeats} repeats after {args.warmup} warm-up (slowest rank), float32, "
+             f"{os.cpu_count()} cores")
+    return Result([Table(COLUMNS, [_row(r) for r in rows], title)], rows)
+
+
+def _row(r):
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    med = {k: median(r["times"][k]) for k in r["times"]}
+    copy, add = median(r["copy"]), median(r["add"])
+    two = ms(med["hsgd 2-level"]) if "hsgd 2-level" in med else "-"
+    return [r["ranks"], f"{r['numel'] / 1e6:g}M", ms(med["hsgd"]), two, ms(med["MPI"]), ms(med["gloo"]),
+            f"{med['MPI'] / med['hsgd']:.1f}x", f"{med['gloo'] / med['hsgd']:.1f}x", ms(copy), ms(add)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timed(comm, fn, args):
+    """Every timed repeat's slowest-rank seconds for ``fn()``, after the warm-up."""
+    from mpi4py import MPI
+
+    def once():
+        comm.Barrier()  # everyone starts together
+        start = time.perf_counter()
+        fn()
+        return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    return repeat(once, args.repeats, args.warmup)
+
+
+def _bandwidth(n, repeats):
+    """Single-process seconds of ``a.copy_(b)`` and of ``a.add_(b)``, ``repeats`` times each."""
+    import torch
+    a, b = torch.ones(n), torch.ones(n)
+    return [clock(lambda: a.copy_(b)) for _ in range(repeats)], [clock(lambda: a.add_(b)) for _ in range(repeats)]
+
+
+def worker(args):
+    """On every rank: each size, each method; rank 0 returns the rows (every repeat's time)."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from hsgd import Topology
+    from hsgd.hierarchical import HierarchicalAverager
+    from hsgd.intra_node import Layout
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args._port}",
+                            rank=comm.rank, world_size=comm.size)
+    results = []
+    for n in (int(s) for s in args.sizes):
+        row = {"ranks": comm.size, "numel": n, "times": {}}
+        layouts = [("hsgd", None)] + ([("hsgd 2-level", 2)] if comm.size >= 4 else [])
+        for name, rpn in layouts:
+            with Topology.from_comm(comm, ranks_per_node=rpn) as topo, \
+                    HierarchicalAverager(topo, Layout([(torch.float32, n)])) as avg:
+                avg.own(0).fill_(1.0)
+                row["times"][name] = _timed(comm, lambda: avg.average("global"), args)
+        buf = torch.ones(n)
+        arr = buf.numpy()
+
+        def mpi_average(buf=buf, arr=arr):
+            comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
+            buf.mul_(1.0 / comm.size)
+
+        def gloo_average(buf=buf):
+            dist.all_reduce(buf)
+            buf.div_(comm.size)
+        row["times"]["MPI"] = _timed(comm, mpi_average, args)
+        row["times"]["gloo"] = _timed(comm, gloo_average, args)
+        if comm.rank == 0:
+            row["copy"], row["add"] = _bandwidth(n, args.repeats)
+            results.append(row)
+    dist.destroy_process_group()
+    return results

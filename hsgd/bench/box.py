@@ -1,0 +1,126 @@
+"""Parameter box vs a two-sided parameter server: asynchronous updates per second.
+
+One command runs everything (it launches ``mpiexec`` itself for each rank
+count)::
+
+    python -m hsgd.bench box                          # 2 and 4 ranks, 1M and 10M floats
+    python -m hsgd.bench box --ranks 4 --sizes 1e7 --repeats 3 --seconds 2
+
+For every rank count and model size, in the same MPI job, side by side, each
+for ``--seconds`` per repeat (``--warmup`` rounds of all three first,
+untimed). One *update* is what an asynchronous worker does per step, with a
+stand-in gradient (no model compute, so the figures measure the exchange
+itself):
+
+* ``PS``: rank 0 is a server: it ``Recv``s a gradient from any worker, applies
+  it (``W -= lr * g``) and ``Send``s the weights back; ranks 1.. are workers;
+* ``box``: the same workers, rank 0 only holds ``W_g`` in a
+  :class:`hsgd.RemoteMemory` and runs no code; a worker's update is
+  ``accumulate(-lr * g)`` then ``read(W_g)`` (what :class:`hsgd.AsyncSGD` does);
+* ``box, all work``: as ``box``, but rank 0 works too (the design: the
+  owner of a shard is also a worker).
+
+Reported: updates per second summed over workers, median over ``--repeats``,
+and the ratio box / PS.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ._harness import Progress, Result, Table, add_repeat_options, int_at_least, median, positive_float, repeat
+from ._launch import run_workers
+
+METHODS = ("PS", "box", "box, all work")
+COLUMNS = ("ranks", "floats", "PS", "box", "box, all work", "box/PS", "all work/PS")
+STOP = 2  # tag of a worker's last message to the server
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--ranks", type=int_at_least(2, " (a server and a worker)"), nargs="+", default=[2, 4],
+                   help="rank counts (2 4)")
+    p.add_argument("--sizes", type=positive_float, nargs="+", default=[1e6, 1e7],
+                   help="float32 elements (1e6 1e7)")
+    add_repeat_options(p, repeats=5, warmup=0, what="rounds of the three methods")
+    p.add_argument("--seconds", type=positive_float, default=2.0, help="length of one timed run (2)")
+
+
+def run(args, extra) -> Result:
+    rows = []
+    with Progress(len(args.ranks), "hsgd.bench box", args.progress) as progress:
+        for ranks in args.ranks:
+            rows += run_workers("box", ranks, args._argv, timeout=3600)
+            progress.step(f"{ranks} ranks")
+    table = Table(COLUMNS, title=f"updates/s summed over workers, median of {args.repeats} runs of "
+                  f"{args.seconds:g} s after {args.warmup} warm-up")
+    for row in rows:
+        med = {m: median(v) for m, v in row["rates"].items()}
+        table.rows.append([row["ranks"], f"{row['floats'] / 1e6:g}M", f"{med['PS']:.0f}", f"{med['box']:.0f}",
+                           f"{med['box, all work']:.0f}", f"{med['box'] / med['PS']:.1f}x",
+                           f"{med['box, all work'] / med['PS']:.1f}x"])
+    return Result([table], rows)
+
+
+def _ps(comm, n, seconds):
+    import numpy as np
+    from mpi4py import MPI
+    rank, size = comm.Get_rank(), comm.Get_size()
+    comm.Barrier()  # the server is ready before the first Send
+    if rank == 0:
+        weights, grad, status, stopped = np.zeros(n, np.float32), np.empty(n, np.float32), MPI.Status(), 0
+        while stopped < size - 1:
+            comm.Recv(grad, MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if status.Get_tag() == STOP:
+                stopped += 1
+                continue
+            weights -= 0.01 * grad
+            comm.Send(weights, status.Get_source(), 1)
+        updates = 0
+    else:
+        grad, weights, updates = np.ones(n, np.float32), np.empty(n, np.float32), 0
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            comm.Send(grad, 0, 1)
+            comm.Recv(weights, 0, 1)
+            updates += 1
+        comm.Send(grad, 0, STOP)
+    return comm.allreduce(updates) / seconds
+
+
+def _box(comm, n, seconds, owner_works):
+    import torch
+
+    from hsgd import RemoteMemory
+    rank = comm.Get_rank()
+    with RemoteMemory(comm, n, owners=[0]) as mem:
+        delta, weights, updates = torch.full((n,), -0.01), torch.empty(n), 0
+        comm.Barrier()  # everyone starts together
+        if rank != 0 or owner_works:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                mem.accumulate(0, delta)
+                mem.read(0, weights)
+                updates += 1
+        rate = comm.allreduce(updates) / seconds
+        comm.Barrier()  # every rank has stopped before the region is freed
+    return rate
+
+
+def worker(args):
+    """Under mpiexec: per size, rounds of the three methods; rank 0 returns every round's rate."""
+    import torch
+    from mpi4py import MPI
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    rows = []
+    for size in args.sizes:
+        n = int(size)
+
+        def one_round(n=n):
+            return {"PS": _ps(comm, n, args.seconds),
+                    "box": _box(comm, n, args.seconds, owner_works=False),
+                    "box, all work": _box(comm, n, args.seconds, owner_works=True)}
+        rounds = repeat(one_round, args.repeats, args.warmup)
+        rows.append({"ranks": comm.Get_size(), "floats": n,
+                     "rates": {m: [r[m] for r in rounds] for m in METHODS}})
+    return rows

@@ -1,0 +1,106 @@
+"""End to end: every ``python -m hsgd.bench`` subcommand at a tiny size, and its errors.
+
+Each smoke test runs one subcommand as a user would (it launches its own
+``mpiexec`` jobs), with 1-2 ranks, tiny sizes and 1-2 repeats, and checks
+that it ends with status 0, prints its table's header, reports progress on
+stderr, and writes JSON that parses and holds the raw measurements, one per
+repeat. Nothing here asserts on a timing. A bad option must give one
+``error:`` line and status 2 before anything runs.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from mpirun import ROOT, run_command
+
+from hsgd.bench import SUBCOMMANDS
+
+TRAIN = ["--mnist1d-samples", "2000", "--batch-size", "64"]  # passed on to hsgd.train
+
+
+# name: (options, the table's header, raw -> the lists of repeated measurements, repeats);
+# "{cache}" stands for the module's MNIST-1D cache directory.
+SMOKE = {
+    "allreduce": (["--ranks", "2", "--sizes", "1e3", "--repeats", "2", "--warmup", "1"],
+                  "| ranks | floats | hsgd ms | hsgd 2-level ms | MPI ms | gloo ms | MPI/hsgd | gloo/hsgd "
+                  "| copy ms | add ms |",
+                  lambda raw: [*raw[0]["times"].values(), raw[0]["copy"], raw[0]["add"]], 2),
+    "io": (["--gib", "0.001", "--ranks", "2", "--repeats", "1", "--bounded-seconds", "0.2", "--batch-size", "16"],
+           "| data | ranks | cache | loader | DataLoader* | fancy* | raw | loader/DataLoader | loader/fancy "
+           "| loader/raw |",
+           lambda raw: [r["rates"] for r in raw], 1),
+    "box": (["--ranks", "2", "--sizes", "1e3", "--repeats", "2", "--seconds", "0.1"],
+            "| ranks | floats | PS | box | box, all work | box/PS | all work/PS |",
+            lambda raw: list(raw[0]["rates"].values()), 2),
+    "stall": (["--ranks", "2", "--params", "1000", "--steps", "3", "--repeats", "2", "--warmup", "1"],
+              "| stall inspector | ms per step (each repeat) | median | on / off |",
+              lambda raw: list(raw["seconds_per_step"].values()), 2),
+    "modes": (["--ranks", "2", "--part", "accuracy", "--modes", "sync", "--epochs", "1", "--warmup", "0",
+               "--cache-dir", "{cache}", *TRAIN],
+              "| --sync | final test acc | best test acc | wall s |",
+              lambda raw: [[r["seconds"] for r in raw["accuracy"]]], 1),
+    "gossip": (["--ranks", "2", "--epochs", "1", "--thetas", "--warmup", "0", "--cache-dir", "{cache}",
+                *TRAIN],
+               "| run | intra MB | inter MB | traffic vs every-step gossip | wall s | final test acc "
+               "| best test acc |",
+               lambda raw: [[r["seconds"]] for r in raw], 1),
+    "lars": (["--ranks", "2", "--epochs", "2", "--samples", "2000", "--runs", "sgd-256", "--cache-dir", "{cache}"],
+             "| run | final test acc | best test acc | final train loss | wall s |",
+             lambda raw: [[r["seconds"] for r in raw]], 1),
+    "faults": (["--ranks", "2", "--rows", "raise"],
+               "| fault | injected | exit | what the job said | s to end | left behind | test |",
+               lambda raw: [[r["seconds"] for r in raw]], 1),
+}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One generated MNIST-1D file for the training benchmarks."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def bench(*args, timeout=180):
+    return run_command([sys.executable, "-m", "hsgd.bench", *args], timeout=timeout)
+
+
+def test_every_subcommand_has_a_smoke_test():
+    assert sorted(SMOKE) == sorted(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("name", list(SMOKE))
+def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, cache):
+    options, header, repeated, repeats = SMOKE[name]
+    out = tmp_path / "out.json"
+    proc = bench(name, *(o.format(cache=cache) for o in options), "--json", str(out), "--progress", "lines")
+    assert proc.returncode == 0, proc.stderr
+    assert header in proc.stdout.splitlines(), proc.stdout
+    assert f"hsgd.bench {name} [1/" in proc.stderr  # progress lines
+    record = json.loads(out.read_text())
+    assert record["subcommand"] == name and record["command"].startswith(f"python -m hsgd.bench {name} ")
+    assert header == "| " + " | ".join(record["tables"][0]["columns"]) + " |"
+    assert record["tables"][0]["rows"] and record["environment"]["cpus"] >= 1
+    measured = repeated(record["raw"])
+    assert measured and all(len(m) == repeats and all(isinstance(v, float) for v in m) for m in measured), measured
+    if name == "faults":  # the row says what happened, and the job left nothing behind
+        (row,) = record["raw"]
+        assert row["exit"] != 0 and "a bug on rank 1" in row["said"] and row["left"] == [], row
+
+
+@pytest.mark.parametrize("args, message", [
+    (["allreduce", "--repeats", "0"], "argument --repeats: 0 is too small: use at least 1"),
+    (["box", "--ranks", "1"], "argument --ranks: 1 is too small: use at least 2 (a server and a worker)"),
+    (["box", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
+    (["io", "--json", "/nonexistent-dir/x.json"], "argument --json: the directory /nonexistent-dir does not exist"),
+    (["io", "--gib", "0.0001", "--ranks", "2"], "argument --gib: a 3x32x32 f32 file of 0.0001 GiB holds 8 samples"),
+    (["lars", "--runs", "sgd-512"], "argument --runs: invalid choice: 'sgd-512'"),
+    (["nosuch"], "argument SUBCOMMAND: invalid choice: 'nosuch'"),
+])
+def test_a_bad_option_gives_one_error_and_exit_2(args, message):
+    proc = subprocess.run([sys.executable, "-m", "hsgd.bench", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)  # launches nothing
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+    assert proc.stdout == ""
