@@ -245,11 +245,11 @@ class SyncMode(torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def broadcast_state(self, root: int = 0) -> None:
-        """Copy optimizer state and step count from ``root`` (after it loaded a checkpoint)."""
+    def broadcast_state(self, root: int = 0, *, root_rank: Optional[int] = None) -> None:
+        """Copy optimizer state and step count from ``root`` (``root_rank``: the same), e.g.
+        after it alone loaded a checkpoint. Collective."""
         self._check_open()
-        broadcast_optimizer_state(self.optimizer, self.topology.comm, root)
-        self.num_steps = self.topology.comm.bcast(self.num_steps, root=root)
+        broadcast_optimizer_state(self, self.topology.comm, root, root_rank=root_rank)
 
     _on_phase = None
 
