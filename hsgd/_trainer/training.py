@@ -41,7 +41,7 @@ def prepare_data(cfg: TrainConfig, comm) -> Tuple[str, str]:
             logger.info("data: MNIST-1D with %d training samples in %s", cfg.mnist1d_samples,
                         cfg.resolved_cache_dir())
         path = ensure_mnist1d(cfg.resolved_cache_dir(), num_samples=samples, comm=comm)
-        return str(path), str(path)
+        return str(path), cfg.test_data or str(path)
     return cfg.data, cfg.test_data or cfg.data
 
 
