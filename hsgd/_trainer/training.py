@@ -9,6 +9,7 @@ so the trainer can print one message from rank 0 and exit.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Tuple
@@ -41,7 +42,7 @@ def prepare_data(cfg: TrainConfig, comm) -> Tuple[str, str]:
             logger.info("data: MNIST-1D with %d training samples in %s", cfg.mnist1d_samples,
                         cfg.resolved_cache_dir())
         path = ensure_mnist1d(cfg.resolved_cache_dir(), num_samples=samples, comm=comm)
-        return str(path), str(path)
+        return str(path), cfg.test_data or str(path)
     return cfg.data, cfg.test_data or cfg.data
 
 
@@ -206,17 +207,32 @@ def restore(state: dict, model, opt, scheduler, loader, comm) -> Tuple[int, int,
     """Load a checkpoint's state on this rank; returns (step, epoch, best test accuracy).
 
     With another number of ranks the data order cannot continue mid-epoch:
-    the interrupted epoch starts again from its beginning.
+    the interrupted epoch starts again from its beginning, and so do the step
+    count and the LR schedule (else the run would take more steps than it
+    plans and end its schedule early).
     """
     own = state.get("replica") or {}
     model.load_state_dict(own.get("model", state["model"]))
     opt.load_state_dict(own.get("optimizer", state["optimizer"]))
     scheduler.load_state_dict(state["scheduler"])
+    step = int(state["step"])
     if state["same_world"]:
         check_all(comm, loader.load_state_dict, state["loader"])
     else:
         loader.set_epoch(int(state["epoch"]))
+        saved = state["loader"]
+        if int(saved["epoch"]) == int(state["epoch"]):  # saved mid-epoch: back to the epoch's first step
+            step -= int(saved["position"])
+            _move_schedule(scheduler, step)
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])
     opt.load_shared_state_dict(state["model"])
-    return int(state["step"]), int(state["epoch"]), float(state.get("best_test_acc", 0.0))
+    return step, int(state["epoch"]), float(state.get("best_test_acc", 0.0))
+
+
+def _move_schedule(scheduler, step: int) -> None:
+    """Put ``scheduler`` (and its optimizer's lr) at ``step``: the schedules here are closed forms of it."""
+    scheduler.last_epoch = step - 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
+        scheduler.step()

@@ -39,7 +39,7 @@ TORCH_CACHE = "torchinductor_"
 # After a job: how long the ranks of an aborted job may take to die and let go of their segments.
 GRACE_S = 10.0
 
-__all__ = ["ROOT", "TIMEOUT_S", "mpiexec", "mpi_flavour", "mpi_command", "mpi_env",
+__all__ = ["ROOT", "TIMEOUT_S", "mpiexec", "mpi_flavour", "mpi_command", "mpi_env", "descendants", "kill_job",
            "run_mpi", "run_command", "snapshot", "remove_leftovers"]
 
 
@@ -81,7 +81,7 @@ def mpi_env(env: Optional[Dict[str, str]] = None, tmpdir: Optional[str] = None) 
     return full
 
 
-def _descendants(root: int) -> List[int]:
+def descendants(root: int) -> List[int]:
     """PIDs of ``root`` and every process below it (MPICH's ranks call setsid, so their
     session and process group are their own: only parentage finds them)."""
     children: Dict[int, List[int]] = {}
@@ -112,7 +112,7 @@ def remove_leftovers(before: set, tmpdir: Optional[str]) -> List[str]:
 
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every process below it (the ranks)."""
-    for pid in reversed(_descendants(proc.pid)):
+    for pid in reversed(descendants(proc.pid)):
         try:
             os.kill(pid, 9)
         except ProcessLookupError:

@@ -13,9 +13,12 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from mpirun import ROOT, mpi_command, mpi_env, remove_leftovers, run_mpi, snapshot
+from mpirun import ROOT, descendants, kill_job, mpi_command, mpi_env, remove_leftovers, run_mpi, snapshot
+
+from hsgd.data import ensure_mnist1d
 
 SMALL = ["--mnist1d-samples", "2000", "--epochs", "2", "--batch-size", "64", "--progress", "lines"]
+STEPS_PER_EPOCH = 2000 // 64  # 31: each of 2 ranks takes 31 batches of 32 (drop_last)
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +82,18 @@ LOCAL_SGD = ["--sync", "local", "--intra-period", "2", "--inter-period", "2",
              "--ranks-per-node", "1", "--compression", "bf16"]
 
 
-# 1600 training samples at batch 64: 25 steps per epoch, so 25 stops on an epoch's last step
-@pytest.mark.parametrize("extra,stop_at", [([], 23), (LOCAL_SGD, 23), ([], 25)])
+# stop mid-epoch, and (STEPS_PER_EPOCH) on an epoch's last step
+@pytest.mark.parametrize("extra,stop_at", [([], 23), (LOCAL_SGD, 23), ([], STEPS_PER_EPOCH)])
 def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, extra, stop_at):
     common = [*SMALL, "--optimizer", "sgd", "--lr", "0.05", *extra]
     whole = train(2, [*common, "--run-dir", str(tmp_path / "whole")], cache)
     assert whole.returncode == 0, whole.stderr
+    assert [e["step"] for e in records(tmp_path / "whole", "epoch")] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
     part = tmp_path / "part"
     first = train(2, [*common, "--run-dir", str(part), "--stop-after", str(stop_at)], cache)
     assert first.returncode == 0, first.stderr
     assert f"stopped (stop-after) after {stop_at} steps" in first.stderr
+    assert len(records(part, "epoch")) == (stop_at == STEPS_PER_EPOCH)  # the epoch ended before the stop
     second = train(2, [*common, "--run-dir", str(part), "--resume"], cache)
     assert second.returncode == 0, second.stderr
     assert "resuming from" in second.stderr
@@ -98,6 +103,53 @@ def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, extra, stop_at)
     epochs = records(part, "epoch")
     assert [e["epoch"] for e in epochs] == [0, 1]
     assert all(math.isfinite(e["train_loss"]) and e["train_loss"] > 0 for e in epochs)  # no NaN or Inf
+
+
+def test_resume_on_another_number_of_ranks_restarts_the_interrupted_epoch(tmp_path, cache):
+    """2 ranks stop mid-epoch; 1 rank resumes from the saved (averaged) model at the start of that
+    epoch, with the step count and LR schedule of that point, and ends where an unstopped run ends."""
+    run = tmp_path / "run"
+    common = [*SMALL, "--model", "mlp", "--run-dir", str(run)]
+    first = train(2, [*common, "--stop-after", "20"], cache)
+    assert first.returncode == 0, first.stderr
+    second = train(1, [*common, "--resume"], cache)
+    assert second.returncode == 0, second.stderr
+    assert "resuming from" in second.stderr and "(step 20)" in second.stderr
+    assert "the checkpoint is from 2 ranks, this run has 1" in second.stderr
+    epochs = records(run, "epoch")
+    assert [(e["epoch"], e["step"]) for e in epochs] == [(0, STEPS_PER_EPOCH), (1, 2 * STEPS_PER_EPOCH)]
+    assert records(run, "step")[-1]["ranks"] == 1
+    assert f"done after {2 * STEPS_PER_EPOCH} steps" in second.stderr
+
+
+def test_trainer_flags_sharded_lars_scaled_step_schedule_test_file_bar_and_saves(tmp_path, cache):
+    """One run through flags that no other test takes: --inter-node sharded (2 virtual nodes),
+    --optimizer lars, --scale-lr, --schedule step, --test-data with its own keys, --progress bar,
+    --save-every with --keep-checkpoints."""
+    test_file = tmp_path / "test.h5"
+    generated = ensure_mnist1d(cache, num_samples=2500)  # the file --mnist1d-samples 2000 uses
+    with h5py.File(generated, "r") as f, h5py.File(test_file, "w") as out:
+        out["inputs"], out["labels"] = f["x_test"][:300], f["y_test"][:300]
+    run = tmp_path / "run"
+    proc = train(2, [*SMALL, "--model", "mlp", "--run-dir", str(run), "--log-every", "10",
+                     "--inter-node", "sharded", "--ranks-per-node", "1",
+                     "--optimizer", "lars", "--lr", "20", "--scale-lr",  # 20 * 64 / 256 = 5
+                     "--schedule", "step", "--milestones", "1",
+                     "--test-data", str(test_file), "--test-x-key", "inputs", "--test-y-key", "labels",
+                     "--progress", "bar", "--save-every", "10", "--keep-checkpoints", "3"], cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "HierarchicalSGD(LARS, inter_node='sharded'" in proc.stderr and "node_sizes=[1, 1]" in proc.stderr
+    assert "2000 train / 300 test samples" in proc.stderr
+    for epoch in (0, 1):  # tqdm draws each epoch's bar when it starts
+        assert f"epoch {epoch}:   0%|          | 0/{STEPS_PER_EPOCH} [" in proc.stderr, proc.stderr[-3000:]
+    lrs = {s["step"]: s["lr"] for s in records(run, "step")}
+    assert lrs[20] == pytest.approx(5.0) and lrs[40] == pytest.approx(0.5), lrs  # x0.1 after epoch 1
+    epochs = records(run, "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1] and all(e["inter_bytes"] > 0 for e in epochs)
+    assert max(e["test_acc"] for e in epochs) > 0.2  # the test file's 300 samples, 10 classes
+    # saved every 10 steps and at epoch ends (31, 62): the newest 3 stay
+    assert sorted(p.name for p in (run / "checkpoints").glob("ckpt-*.pt")) == \
+        [f"ckpt-{s:09d}.pt" for s in (50, 60, 62)]
 
 
 def stop_at_20_and_resume(run, args, cache):
@@ -143,25 +195,46 @@ def test_gossip_run_saves_the_consensus_and_resumes(tmp_path, cache):
             assert torch.allclose(value.double(), mass / sum(weights), atol=1e-6), key
 
 
-# async with a straggler: the ranks drift apart and agree on the stop through remote memory
-@pytest.mark.parametrize("extra", [[], ["--sync", "async", "--straggler", "1:3"]])
-def test_signal_checkpoints_and_exits_for_requeue(tmp_path, cache, extra):
+def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
+    """The process id of rank ``rank`` of the job ``launcher`` started (MPICH or Open MPI)."""
+    wanted = {f"PMI_RANK={rank}".encode(), f"OMPI_COMM_WORLD_RANK={rank}".encode()}
+    for pid in descendants(launcher.pid):
+        try:
+            env = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if env & wanted and b"hsgd.train" in cmdline:
+            return pid
+    raise AssertionError(f"no rank {rank} among the job's processes")
+
+
+# SIGTERM to rank 1 alone (what Slurm sends each task at its time limit or on scancel): the ranks
+# must agree on the stop. SIGUSR1 to mpiexec, which forwards it to every rank, in async with a
+# straggler: the ranks drift apart and agree on the stop through remote memory.
+@pytest.mark.parametrize("extra,sig", [([], signal.SIGTERM),
+                                       (["--sync", "async", "--straggler", "1:3"], signal.SIGUSR1)],
+                         ids=["sync-SIGTERM-to-rank-1", "async-SIGUSR1-to-mpiexec"])
+def test_signal_checkpoints_and_exits_for_requeue(tmp_path, cache, extra, sig):
     run = tmp_path / "run"
     cmd = mpi_command(2, ["-m", "hsgd.train", "--cache-dir", cache, *SMALL, "--epochs", "50",
                           "--log-every", "5", "--run-dir", str(run), *extra])
     shm_before, tmpdir = snapshot(), str(tmp_path / "tmp")
     os.mkdir(tmpdir)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=mpi_env(tmpdir=tmpdir))
+                            env=mpi_env(tmpdir=tmpdir), start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not (run / "metrics.jsonl").exists() or not records(run, "step"):
             assert time.monotonic() < deadline and proc.poll() is None, "training never started"
             time.sleep(0.2)
-        proc.send_signal(signal.SIGUSR1)  # mpiexec forwards it to every rank
+        if sig == signal.SIGTERM:
+            os.kill(rank_pid(proc, 1), sig)
+        else:
+            proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
-        proc.kill()
+        kill_job(proc)
     left = remove_leftovers(shm_before, tmpdir)
     assert proc.returncode == 75, err
     assert not left, f"a job stopped by a signal left files behind: {left}"
@@ -250,7 +323,8 @@ def bad_inputs(tmp_path):
         ("straggler", ["--straggler", "1:0.5"], "--straggler"),
         ("straggler rank", ["--straggler", "2:3"], "no rank 2 in a job of 2 ranks"),
         ("balance", ["--sync", "gossip", "--balance"], "--balance needs a mode"),
-    ]
+    ] + ([] if torch.cuda.is_available() else
+         [("no GPU", ["--device", "cuda"], "--device cuda, but torch sees no GPU")])
 
 
 def test_bad_input_gets_one_message_and_exit_2(tmp_path, cache):
