@@ -19,6 +19,8 @@ from hsgd.train import parse_config
     (["--schedule", "step", "--milestones", "8", "4"], "--milestones"),
     (["--schedule", "step"], "--milestones"),
     (["--lr", "0"], "--lr"),
+    (["--epochs", "-1"], "--epochs"),
+    (["--sync", "gossip", "--balance"], "--balance needs a mode"),
     (["--intra-period", "0"], "--intra-period"),
     (["--gossip-theta=-0.5"], "--gossip-theta"),
     (["--gossip-theta", "nan"], "--gossip-theta"),
