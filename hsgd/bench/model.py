@@ -265,7 +265,7 @@ def _validation_table(args, rows, here) -> Table:
         for name in MEASURED:
             pred, meas = predicted[name], median(row["times"][name])
             errors.append(abs(pred / meas - 1))
-            table.rows.append([f"{nodes} x {k}", _count(n), name, _ms(pred), _ms(meas),
+            table.rows.append([f"{nodes} x {k}", f"{n:,}", name, _ms(pred), _ms(meas),
                                f"{100 * (pred / meas - 1):+.0f}%", _bytes_match(row, name)])
     table.notes = [f"error = predicted / measured - 1; median |error| {100 * median(errors):.0f}%, "
                    f"largest {100 * max(errors):.0f}%. 1 x 2 is the calibration's configuration (other sizes)."]
