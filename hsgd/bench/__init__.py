@@ -21,7 +21,8 @@ Subcommands (one module each in this package, listed in :data:`SUBCOMMANDS`):
 - ``modes``: accuracy, stragglers and load balancing of the ``--sync`` modes;
 - ``gossip``: traffic and accuracy of adaptive gossip;
 - ``lars``: large batches, SGD vs scaled SGD vs LARS;
-- ``faults``: every fault hsgd handles, injected, and how the job ended.
+- ``faults``: every fault hsgd handles, injected, and how the job ended;
+- ``model``: predicted communication per step on clusters of up to 4096 nodes.
 
 A subcommand module has a docstring (its ``--help``: what is measured and
 how), ``add_arguments(parser)`` and ``run(args, extra) -> Result``
@@ -47,4 +48,5 @@ SUBCOMMANDS = (
     "gossip",
     "lars",
     "faults",
+    "model",
 )

@@ -91,15 +91,44 @@ def _bandwidth(n, repeats):
     return [clock(lambda: a.copy_(b)) for _ in range(repeats)], [clock(lambda: a.add_(b)) for _ in range(repeats)]
 
 
+def hsgd_times(comm, n, args, ranks_per_node=None, inter_node="leader"):
+    """Every timed repeat's slowest-rank seconds of one hsgd average of ``n`` float32 over ``comm``
+    (the buffer is the rank's slot), with virtual nodes of ``ranks_per_node`` (None: physical), and
+    this rank's traffic per average (:mod:`hsgd._engine.traffic`). Collective."""
+    import torch
+
+    from hsgd import Topology
+    from hsgd.hierarchical import HierarchicalAverager
+    from hsgd.intra_node import Layout
+
+    with Topology.from_comm(comm, ranks_per_node=ranks_per_node) as topo, \
+            HierarchicalAverager(topo, Layout([(torch.float32, n)]), inter_node=inter_node) as avg:
+        avg.own(0).fill_(1.0)
+        times = _timed(comm, lambda: avg.average("global"), args)
+        averages = args.warmup + args.repeats
+        return times, {key: value / averages for key, value in avg.traffic.as_dict().items()}
+
+
+def mpi_times(comm, n, args):
+    """Every timed repeat's slowest-rank seconds of ``comm.Allreduce(MPI.IN_PLACE)`` of ``n``
+    float32, then a scale by ``1 / size``. Collective."""
+    import torch
+    from mpi4py import MPI
+
+    buf = torch.ones(n)
+    arr = buf.numpy()
+
+    def mpi_average():
+        comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
+        buf.mul_(1.0 / comm.size)
+    return _timed(comm, mpi_average, args)
+
+
 def worker(args):
     """On every rank: each size, each method; rank 0 returns the rows (every repeat's time)."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
-
-    from hsgd import Topology
-    from hsgd.hierarchical import HierarchicalAverager
-    from hsgd.intra_node import Layout
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -110,21 +139,13 @@ def worker(args):
         row = {"ranks": comm.size, "numel": n, "times": {}}
         layouts = [("hsgd", None)] + ([("hsgd 2-level", 2)] if comm.size >= 4 else [])
         for name, rpn in layouts:
-            with Topology.from_comm(comm, ranks_per_node=rpn) as topo, \
-                    HierarchicalAverager(topo, Layout([(torch.float32, n)])) as avg:
-                avg.own(0).fill_(1.0)
-                row["times"][name] = _timed(comm, lambda: avg.average("global"), args)
+            row["times"][name], _ = hsgd_times(comm, n, args, ranks_per_node=rpn)
+        row["times"]["MPI"] = mpi_times(comm, n, args)
         buf = torch.ones(n)
-        arr = buf.numpy()
-
-        def mpi_average(buf=buf, arr=arr):
-            comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
-            buf.mul_(1.0 / comm.size)
 
         def gloo_average(buf=buf):
             dist.all_reduce(buf)
             buf.div_(comm.size)
-        row["times"]["MPI"] = _timed(comm, mpi_average, args)
         row["times"]["gloo"] = _timed(comm, gloo_average, args)
         if comm.rank == 0:
             row["copy"], row["add"] = _bandwidth(n, args.repeats)

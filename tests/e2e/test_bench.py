@@ -52,6 +52,12 @@ SMOKE = {
     "faults": (["--ranks", "2", "--rows", "raise"],
                "| fault | injected | exit | what the job said | s to end | left behind | test |",
                lambda raw: [[r["seconds"] for r in raw]], 1),
+    "model": (["--validate", "--validate-sizes", "64", "--params", "1e3", "--nodes", "1", "4", "--ranks-per-node",
+               "1", "2", "--repeats", "2", "--warmup", "0"],
+              "| params | nodes | ranks/node | ranks | flat ring ms | leader ms | sharded ms | gossip ms | box ms "
+              "| fastest sync |",
+              lambda raw: [*raw["calibration"]["level1"], *raw["calibration"]["mpi"],
+                           *(t for row in raw["validation"] for t in row["times"].values())], 2),
 }
 
 
@@ -86,6 +92,23 @@ def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, ca
     if name == "faults":  # the row says what happened, and the job left nothing behind
         (row,) = record["raw"]
         assert row["exit"] != 0 and "a bug on rank 1" in row["said"] and row["left"] == [], row
+    if name == "model":  # 4 configurations, 3 strategies each, and hsgd counted the bytes the model counts
+        rows = record["tables"][2]["rows"]
+        assert len(rows) == 12 and all(r[-1] in ("yes", "-") for r in rows), rows
+
+
+def test_model_predicts_without_measuring_and_draws(tmp_path):
+    """With this machine's figures given, ``model`` launches nothing: a table, JSON and a PNG."""
+    out, png = tmp_path / "model.json", tmp_path / "model.png"
+    proc = bench("model", "--params", "1e6", "5210", "--nodes", "1", "4", "4096", "--ranks-per-node", "1", "128",
+                 "--intra-latency", "1e-6", "--intra-bandwidth", "5e9", "--local-latency", "1e-6",
+                 "--local-bandwidth", "5e9", "--png", str(png), "--json", str(out), "--progress", "lines")
+    assert proc.returncode == 0, proc.stderr
+    assert SMOKE["model"][1] in proc.stdout.splitlines(), proc.stdout
+    assert "ranks measured" not in proc.stderr  # no MPI job
+    record = json.loads(out.read_text())
+    assert record["raw"]["calibration"] is None and len(record["raw"]["predictions"]) == 2 * 3 * 2
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("args, message", [
@@ -95,6 +118,7 @@ def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, ca
     (["io", "--json", "/nonexistent-dir/x.json"], "argument --json: the directory /nonexistent-dir does not exist"),
     (["io", "--gib", "0.0001", "--ranks", "2"], "argument --gib: a 3x32x32 f32 file of 0.0001 GiB holds 8 samples"),
     (["lars", "--runs", "sgd-512"], "argument --runs: invalid choice: 'sgd-512'"),
+    (["model", "--gossip-rate", "2"], "argument --gossip-rate: 2 is a fraction of the rounds"),
     (["nosuch"], "argument SUBCOMMAND: invalid choice: 'nosuch'"),
 ])
 def test_a_bad_option_gives_one_error_and_exit_2(args, message):

@@ -1,0 +1,208 @@
+"""An alpha-beta cost model of one step's communication, for clusters we cannot run here.
+
+Used by ``python -m hsgd.bench model``. Every function returns the seconds
+one step of a synchronization strategy spends communicating, for a model of
+``nbytes`` bytes on ``N`` nodes of ``k`` ranks each (``p = N k`` ranks), on
+a :class:`Machine`:
+
+- ``alpha``, ``B``: one MPI message's latency across nodes and one node's
+  network bandwidth (its NIC, each direction);
+- ``alpha_m``, ``B_m``: one MPI message between two ranks of one node
+  (MPI's shared-memory transport; default: the network's figures);
+- ``alpha_s``, ``B_s``: hsgd's level 1 in the shared window: the latency of
+  one round of a fence's barrier, and the rate at which one rank copies
+  between slots (bytes as :mod:`hsgd._engine.traffic` counts ``intra_bytes``);
+- optional caps: ``S``, what one rank can drive through the NIC
+  (``stream_bandwidth``, default ``B``), and ``M``, the node's memory
+  bandwidth shared by its ``k`` ranks in level 1 (default: no cap).
+
+A NIC carrying ``s`` streams at once gives each ``min(S, B / s)``; a
+message between two ranks of one node costs ``alpha_m + bytes / B_m``
+whatever the other ranks of the node do (memory contention is modelled
+only in level 1, by ``M``). The formulas, with ``ring(b, P, r) = 2 (P-1) alpha + 2 (P-1)/P *
+b / r`` (the bandwidth-optimal reduce-scatter + allgather, whose bytes
+:func:`hsgd._engine.traffic.allreduce_bytes` counts) and ``hop(b)`` one
+ring step: ``max(alpha + b / min(S, B), alpha_m + b / B_m)`` across nodes
+(ranks placed in blocks of ``k``: one stream per NIC crosses the network
+while the on-node hops run beside it), ``alpha_m + b / B_m`` on one node::
+
+    fence(k)  = alpha_s * ceil(log2 k)                  # a dissemination barrier
+    level1    = F fence(k) + 2 (k-1)/k * nbytes / min(B_s, M / k)
+                # F = 2 on one node (the fused node mean), 4 across nodes
+                # (reduce to slot 0, then spread back); bytes as traffic.py counts
+    flat ring = 2 (p-1) hop(nbytes / p)
+    leader    = level1 + ring(nbytes, N, min(S, B))
+    sharded   = level1 + ring(nbytes / k, N, min(S, B / k))   # k rings share the NIC
+    gossip    = mean over the K = ceil(log2 p) rounds of the exponential graph of
+                alpha + rate * nbytes / min(S, B / s_j),
+                s_j = min(2^j, k) ranks per node talk off-node in round j,
+                or alpha_m + rate * nbytes / B_m where no rank leaves the node
+                (the larger of the two when both happen)
+    box       = 2 (N c alpha + k nbytes / min(S, B))        # alpha_m, B_m on one node
+                # AsyncSGD: accumulate, then read, the whole model; N owners (the
+                # leaders) each hold nbytes/N in c = ceil(nbytes / N / 4 MiB) chunks,
+                # and all p ranks move nbytes/N through each owner's NIC
+
+With ``S = B`` leader and sharded cost the same here: sharded pays off only
+where one rank cannot fill the NIC (``stream_bandwidth < bandwidth``).
+``rate`` is gossip's fraction of rounds in which a rank sends its model
+(adaptive gossip; 1 = every step); a silent round still costs a latency
+(the 16-byte header). ElasticSGD with ``tau > 1`` costs ``box / tau``.
+
+What it ignores: contention beyond the NIC (switches, oversubscribed
+fabrics, congestion), overlap of communication with computation, MPI's
+protocol and algorithm switches (eager vs rendezvous; recursive doubling
+or Rabenseifner with ``2 log2 p`` latency terms instead of the ring's
+``2 (p-1)``: the flat ring's latency is an upper bound at large ``p``),
+compute of the sums and of the scaling, operating-system noise, and
+oversubscribed cores (the validation here runs 4 ranks on 2 cores).
+
+Example::
+
+    >>> m = Machine(latency=2e-6, bandwidth=12.5e9, intra_latency=1e-6, intra_bandwidth=5e9)
+    >>> round(leader(4e6, nodes=2, ranks_per_node=1, machine=m) * 1e6, 1)   # 2 alpha + 4e6 / B, in us
+    324.0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, Optional
+
+from .._engine.traffic import allreduce_bytes
+
+__all__ = ["Machine", "STRATEGIES", "ring", "level1", "flat_ring", "leader", "sharded", "gossip", "box",
+           "predict", "bytes_per_rank", "BOX_CHUNK_BYTES"]
+
+#: RemoteMemory's transfer chunk (``hsgd.remote.memory.DEFAULT_CHUNK_BYTES``, which imports MPI:
+#: a unit test checks the two agree).
+BOX_CHUNK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the model knows of a cluster (seconds, bytes per second)."""
+
+    latency: float                            #: alpha: one MPI message across nodes
+    bandwidth: float                          #: B: one node's NIC, each direction
+    intra_latency: float                      #: alpha_s: one round of a level-1 fence's barrier
+    intra_bandwidth: float                    #: B_s: one rank's slot-to-slot copies in the window
+    local_latency: Optional[float] = None     #: alpha_m: one MPI message inside a node (None: alpha)
+    local_bandwidth: Optional[float] = None   #: B_m: MPI between two ranks of a node (None: B)
+    stream_bandwidth: Optional[float] = None  #: S: what one rank can drive (None: B)
+    memory_bandwidth: Optional[float] = None  #: M: a node's memory, shared in level 1 (None: no cap)
+    gossip_rate: float = 1.0                  #: fraction of gossip rounds in which a rank sends
+
+    def stream(self, streams: int = 1) -> float:
+        """Bytes per second of each of ``streams`` ranks sending through one NIC at once."""
+        per = self.bandwidth / max(1, streams)
+        return per if self.stream_bandwidth is None else min(per, self.stream_bandwidth)
+
+    @property
+    def local_alpha(self) -> float:
+        return self.latency if self.local_latency is None else self.local_latency
+
+    @property
+    def local_rate(self) -> float:
+        return self.bandwidth if self.local_bandwidth is None else self.local_bandwidth
+
+    def local(self, nbytes: float) -> float:
+        """Seconds of one MPI message of ``nbytes`` between two ranks of one node."""
+        return self.local_alpha + nbytes / self.local_rate
+
+    def remote(self, nbytes: float, streams: int = 1) -> float:
+        """Seconds of one MPI message of ``nbytes`` across nodes, ``streams`` sharing the NIC."""
+        return self.latency + nbytes / self.stream(streams)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def ring(nbytes: float, parties: int, rate: float, latency: float) -> float:
+    """Seconds of a ring allreduce of ``nbytes`` among ``parties`` at ``rate`` bytes/s per party."""
+    if parties <= 1:
+        return 0.0
+    return 2 * (parties - 1) * latency + 2 * (parties - 1) / parties * nbytes / rate
+
+
+def level1(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> float:
+    """hsgd's level 1: the fences and the slot-to-slot copies of one average."""
+    k = ranks_per_node
+    fences = 2 if nodes == 1 else 4
+    fence = machine.intra_latency * math.ceil(math.log2(k)) if k > 1 else 0.0
+    rate = machine.intra_bandwidth
+    if machine.memory_bandwidth is not None:
+        rate = min(rate, machine.memory_bandwidth / k)
+    return fences * fence + 2 * (k - 1) / k * nbytes / rate
+
+
+def flat_ring(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> float:
+    """One ring allreduce over all ``N k`` ranks, placed in blocks of ``k`` per node."""
+    p = nodes * ranks_per_node
+    if p <= 1:
+        return 0.0
+    chunk = nbytes / p
+    hop = machine.local(chunk) if nodes == 1 else max(
+        machine.remote(chunk), machine.local(chunk) if ranks_per_node > 1 else 0.0)
+    return 2 * (p - 1) * hop
+
+
+def leader(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> float:
+    """hsgd's ``inter_node="leader"``: level 1, then the leaders allreduce the whole buffer."""
+    return (level1(nbytes, nodes, ranks_per_node, machine)
+            + ring(nbytes, nodes, machine.stream(1), machine.latency))
+
+
+def sharded(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> float:
+    """hsgd's ``inter_node="sharded"``: level 1, then ``k`` concurrent rings of ``nbytes / k``."""
+    k = ranks_per_node
+    return (level1(nbytes, nodes, k, machine)
+            + ring(nbytes / k, nodes, machine.stream(k), machine.latency))
+
+
+def gossip(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> float:
+    """GossipSGD on the exponential graph: one round per step, averaged over the graph's rounds."""
+    p, k = nodes * ranks_per_node, ranks_per_node
+    if p <= 1:
+        return 0.0
+    rounds, sent = math.ceil(math.log2(p)), machine.gossip_rate * nbytes
+    total = 0.0
+    for j in range(rounds):  # offset 2^j: 2^j of a node's k ranks leave it (all if 2^j >= k)
+        off_node = min(2 ** j, k) if nodes > 1 else 0
+        total += max(machine.remote(sent, off_node) if off_node else 0.0,
+                     machine.local(sent) if off_node < k else 0.0)
+    return total / rounds
+
+
+def box(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> float:
+    """AsyncSGD's step against the parameter box: accumulate, then read, the whole model."""
+    k = ranks_per_node
+    if nodes * k <= 1:
+        return 0.0
+    chunks = nodes * math.ceil(nbytes / nodes / BOX_CHUNK_BYTES)
+    if nodes == 1:  # one owner, reached through MPI's shared-memory transport
+        return 2 * (chunks * machine.local_alpha + k * nbytes / machine.local_rate)
+    return 2 * (chunks * machine.latency + k * nbytes / machine.stream(1))
+
+
+#: name -> cost function ``(nbytes, nodes, ranks_per_node, machine) -> seconds``, in table order.
+STRATEGIES: Dict[str, Callable[..., float]] = {
+    "flat ring": flat_ring, "leader": leader, "sharded": sharded, "gossip": gossip, "box": box}
+
+
+def predict(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> Dict[str, float]:
+    """Seconds per step of every strategy in :data:`STRATEGIES`."""
+    return {name: fn(nbytes, nodes, ranks_per_node, machine) for name, fn in STRATEGIES.items()}
+
+
+def bytes_per_rank(strategy: str, nbytes: int, nodes: int, ranks_per_node: int) -> Dict[str, int]:
+    """Rank 0's ``intra_bytes`` and ``inter_bytes`` for one average, as hsgd's
+    :class:`~hsgd._engine.traffic.Traffic` counts them (``leader`` and ``sharded``;
+    ``nbytes`` divisible by ``16 k`` elements, so the slices are equal)."""
+    k = ranks_per_node
+    intra = 2 * (k - 1) * nbytes // k
+    if nodes == 1:
+        return {"intra_bytes": intra, "inter_bytes": 0}
+    part = nbytes if strategy == "leader" else nbytes // k
+    return {"intra_bytes": intra, "inter_bytes": allreduce_bytes(part, nodes)}

@@ -1,0 +1,340 @@
+"""A cost model for clusters we cannot run here: predicted communication time per step.
+
+::
+
+    python -m hsgd.bench model                        # 1..4096 nodes x 1..128 ranks, two models
+    python -m hsgd.bench model --params 2.56e7 --nodes 64 256 --ranks-per-node 8 \\
+        --latency 1.5e-6 --bandwidth 25e9 --png model.png
+    python -m hsgd.bench model --validate             # predicted vs measured on this machine
+
+For every model size (``--params`` elements of ``--dtype-bytes`` bytes) and
+every ``--nodes`` x ``--ranks-per-node``, the alpha-beta model of
+:mod:`hsgd.bench._costs` (its formulas and what it ignores are in its
+docstring) predicts the time of one step's communication for a flat ring
+allreduce over all ranks, hsgd's two levels with the ``leader`` and the
+``sharded`` inter-node strategy, gossip (exponential graph, a rank sends in
+``--gossip-rate`` of the rounds) and the parameter box (AsyncSGD). The
+network is ``--latency`` and ``--bandwidth`` (per node, each direction).
+
+Inside a node the model uses this machine's speed: unless
+``--intra-latency``, ``--intra-bandwidth``, ``--local-latency`` and
+``--local-bandwidth`` are all given, one MPI job of 2 ranks times hsgd's
+node average (level 1, the shared window) and ``MPI Allreduce`` at 4 KiB
+and 16 MiB (median of ``--repeats``) and fits ``t = 2 fence + bytes / B_s``
+to the first and ``t = 2 alpha_m + bytes / B_m`` to the second (MPI between
+ranks of one node: its shared-memory transport). Options given win.
+
+``--validate`` then measures, with :mod:`hsgd.bench.allreduce`'s code,
+MPI Allreduce (the flat ring) and hsgd's average with ``leader`` and
+``sharded`` on 1 node x 2 and x 4 ranks and on 2 virtual nodes x 1 and x 2
+ranks, at ``--validate-sizes`` floats, and prints each beside the model's
+prediction for this machine (the network, too, is the MPI fit) with the relative
+error, and whether the bytes hsgd counted (:mod:`hsgd._engine.traffic`)
+are the model's. With 4 ranks on a 2-core machine the ranks share cores,
+which the model does not know.
+
+``--png PATH`` draws predicted time against nodes, one panel per model size
+and ranks per node (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from . import _costs
+from ._harness import Progress, Result, Table, add_repeat_options, int_at_least, median, positive_float
+from ._launch import run_workers
+
+#: Floats of the two calibration sizes: 4 KiB (latency) and 16 MiB (bandwidth) in float32.
+CALIBRATION_SIZES = (1024, 4 << 20)
+#: The configurations ``--validate`` measures, by the job's rank count: (nodes, ranks per node).
+VALIDATION = {2: ((1, 2), (2, 1)), 4: ((1, 4), (2, 2))}
+MEASURED = ("flat ring", "leader", "sharded")  # MPI Allreduce is the flat ring
+STYLES = ("o-", "s-", "x--", "^-", "d-")  # one per strategy; sharded dashed over leader, often equal
+#: The node's parameters, measured here unless given (``--intra-latency`` ...).
+HERE = ("intra_latency", "intra_bandwidth", "local_latency", "local_bandwidth")
+COLUMNS = ("params", "nodes", "ranks/node", "ranks", *(f"{s} ms" for s in _costs.STRATEGIES), "fastest sync")
+VALIDATION_COLUMNS = ("nodes x ranks/node", "floats", "strategy", "predicted ms", "measured ms", "error",
+                      "bytes as modelled")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--params", type=positive_float, nargs="+", default=[2.56e7, 5210],
+                   help="model sizes in elements (2.56e7: ResNet-50; 5210: the trainer's CNN)")
+    p.add_argument("--dtype-bytes", type=int_at_least(1), default=4, help="bytes per element (4)")
+    p.add_argument("--nodes", type=int_at_least(1), nargs="+", default=[1, 4, 16, 64, 256, 1024, 4096],
+                   help="node counts (1 4 16 64 256 1024 4096)")
+    p.add_argument("--ranks-per-node", type=int_at_least(1), nargs="+", default=[1, 8, 32, 128],
+                   help="ranks per node (1 8 32 128)")
+    p.add_argument("--latency", type=positive_float, default=2e-6, help="network latency, s (2e-6)")
+    p.add_argument("--bandwidth", type=positive_float, default=12.5e9,
+                   help="network bandwidth per node and direction, bytes/s (12.5e9: 100 Gb/s)")
+    p.add_argument("--stream-bandwidth", type=positive_float, default=None,
+                   help="bytes/s one rank can drive through the NIC (default: --bandwidth)")
+    p.add_argument("--memory-bandwidth", type=positive_float, default=None,
+                   help="a node's memory bandwidth, bytes/s, shared by its ranks in level 1 (default: no cap)")
+    p.add_argument("--gossip-rate", type=_fraction, default=1.0,
+                   help="fraction of gossip rounds in which a rank sends its model (1: every step)")
+    p.add_argument("--intra-latency", type=_non_negative, default=None,
+                   help="latency of one round of a level-1 fence, s (default: measured here)")
+    p.add_argument("--intra-bandwidth", type=positive_float, default=None,
+                   help="one rank's slot-to-slot copy rate in level 1, bytes/s (default: measured here)")
+    p.add_argument("--local-latency", type=_non_negative, default=None,
+                   help="latency of an MPI message inside a node, s (default: measured here)")
+    p.add_argument("--local-bandwidth", type=positive_float, default=None,
+                   help="MPI bandwidth between two ranks of a node, bytes/s (default: measured here)")
+    p.add_argument("--validate", action="store_true",
+                   help="also measure 1x2, 1x4, 2x1, 2x2 (nodes x ranks) here and compare with the model")
+    p.add_argument("--validate-sizes", type=positive_float, nargs="+", default=[1e5, 2e6],
+                   help="float32 elements of --validate's buffers, rounded up to a multiple of 64 (1e5 2e6)")
+    p.add_argument("--png", type=Path, default=None, metavar="PATH", help="also draw the predictions here")
+    add_repeat_options(p, repeats=10, warmup=2, what="averages of each measurement")
+
+
+def _fraction(text: str) -> float:
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text} is a fraction of the rounds: use a number in (0, 1]")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
+    return value
+
+
+def check(args, extra, parser) -> None:
+    if args.png is None:
+        return
+    if not args.png.parent.is_dir():
+        parser.error(f"argument --png: the directory {args.png.parent} does not exist")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error("argument --png: drawing needs matplotlib: pip install matplotlib (or 'hsgd[train]')")
+
+
+def run(args, extra) -> Result:
+    measure = args.validate or None in (args.intra_latency, args.intra_bandwidth, args.local_latency,
+                                        args.local_bandwidth)
+    jobs = [2, 4] if args.validate else [2] if measure else []
+    measured = {}
+    with Progress(len(jobs) + 1 + (args.png is not None), "hsgd.bench model", args.progress) as progress:
+        for ranks in jobs:
+            measured[ranks] = run_workers("model", ranks, args._argv, timeout=1800,
+                                          drop_env=["HSGD_RANKS_PER_NODE"])
+            progress.step(f"{ranks} ranks measured")
+        here = _fit_here(measured[2]["calibration"]) if measure else None
+        machine = _machine(args, here)
+        predictions = _predict(args, machine)
+        progress.step(f"{len(predictions)} configurations predicted")
+        if args.png is not None:
+            _draw(args, predictions, args.png)
+            progress.step(f"drew {args.png}")
+    tables = [_grid_table(args, predictions), _machine_table(args, machine, here)]
+    raw = {"machine": machine.as_dict(), "here": here, "predictions": predictions,
+           "calibration": measured[2]["calibration"] if measure else None, "validation": None}
+    if args.validate:
+        rows = [r for ranks in jobs for r in measured[ranks]["validation"]]
+        tables.append(_validation_table(args, rows, here))
+        raw["validation"] = rows
+    return Result(tables, raw)
+
+
+# --- this machine's parameters ------------------------------------------------------------------
+
+def _fit(nbytes, times):
+    """``(intercept s, bytes/s)`` of ``t = a + bytes / rate`` through two (bytes, medians); the
+    intercept is kept in ``[0, t_small]`` and the rate positive, whatever the noise."""
+    (n1, n2), (t1, t2) = nbytes, [median(t) for t in times]
+    slope = (t2 - t1) / (n2 - n1)
+    a = min(max(t1 - slope * n1, 0.0), t1)
+    return a, n2 / (t2 - a) if t2 > a else n2 / t2
+
+
+def _fit_here(calibration) -> dict:
+    """Level 1 (hsgd's node average on 2 ranks: 2 fences + n bytes) and MPI's shared-memory
+    transport (Allreduce on 2 ranks: 2 alpha + n bytes), from the calibration job."""
+    nbytes = [4 * n for n in calibration["sizes"]]
+    a_s, b_s = _fit(nbytes, calibration["level1"])
+    a_m, b_m = _fit(nbytes, calibration["mpi"])
+    return {"intra_latency": a_s / 2, "intra_bandwidth": b_s, "local_latency": a_m / 2, "local_bandwidth": b_m}
+
+
+def _machine(args, here) -> _costs.Machine:
+    """The cluster: the network as given; inside a node, as given or as measured here."""
+    node = {key: here[key] if getattr(args, key) is None else getattr(args, key) for key in HERE}
+    return _costs.Machine(latency=args.latency, bandwidth=args.bandwidth, **node,
+                          stream_bandwidth=args.stream_bandwidth, memory_bandwidth=args.memory_bandwidth,
+                          gossip_rate=args.gossip_rate)
+
+
+def _this_machine(here) -> _costs.Machine:
+    """This host as the model sees it: the network is MPI over shared memory."""
+    return _costs.Machine(latency=here["local_latency"], bandwidth=here["local_bandwidth"], **here)
+
+
+# --- predictions --------------------------------------------------------------------------------
+
+def _predict(args, machine):
+    out = []
+    for params in args.params:
+        nbytes = params * args.dtype_bytes
+        for nodes in args.nodes:
+            for k in args.ranks_per_node:
+                out.append({"params": params, "nbytes": nbytes, "nodes": nodes, "ranks_per_node": k,
+                            "seconds": _costs.predict(nbytes, nodes, k, machine)})
+    return out
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    for bound, form in ((100, "{:,.0f}"), (10, "{:.1f}"), (1, "{:.2f}")):
+        if ms >= bound:
+            return form.format(ms)
+    return f"{ms:.3f}"
+
+
+def _count(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:g}{unit}"
+    return f"{value:g}"
+
+
+def _fastest(seconds: dict) -> str:
+    sync = {name: seconds[name] for name in MEASURED}
+    best = min(sync.values())
+    return " = ".join(name for name, s in sync.items() if math.isclose(s, best, rel_tol=1e-9))
+
+
+def _grid_table(args, predictions) -> Table:
+    rows = [[_count(p["params"]), p["nodes"], p["ranks_per_node"], p["nodes"] * p["ranks_per_node"],
+             *(_ms(s) for s in p["seconds"].values()), _fastest(p["seconds"])] for p in predictions]
+    stream = "" if args.stream_bandwidth is None else f", {args.stream_bandwidth / 1e9:g} GB/s per rank"
+    return Table(COLUMNS, rows, title=(
+        f"Predicted communication per step (alpha-beta model, hsgd/bench/_costs.py): network "
+        f"{args.latency * 1e6:g} us, {args.bandwidth / 1e9:g} GB/s per node{stream}; "
+        f"{args.dtype_bytes}-byte elements; a gossiping rank sends its model in "
+        f"{'every round' if args.gossip_rate == 1 else f'{args.gossip_rate:g} of the rounds'}"),
+        notes=["'fastest sync': among the exact synchronous averages (flat ring, leader, sharded); gossip "
+               "and the box are asynchronous and average less per step. The flat ring's 2(p-1) latency "
+               "terms are an upper bound: MPI switches to log2(p)-step algorithms at large p."])
+
+
+def _machine_table(args, machine, here) -> Table:
+    level1 = "fit here: hsgd's node average, 2 ranks, 4 KiB and 16 MiB"
+    mpi = "fit here: MPI Allreduce, 2 ranks, 4 KiB and 16 MiB"
+    rows = [["network latency", f"{machine.latency * 1e6:g} us", "--latency"],
+            ["network bandwidth per node", f"{machine.bandwidth / 1e9:g} GB/s", "--bandwidth"]]
+    for key, name, unit, fit in (
+            ("intra_latency", "level-1 fence latency, per barrier round", "us", level1),
+            ("intra_bandwidth", "level-1 copy bandwidth, per rank", "GB/s", level1),
+            ("local_latency", "MPI latency inside a node", "us", mpi),
+            ("local_bandwidth", "MPI bandwidth inside a node", "GB/s", mpi)):
+        value = getattr(machine, key) * (1e6 if unit == "us" else 1e-9)
+        given = getattr(args, key) is not None
+        source = f"--{key.replace('_', '-')}" if given else fit
+        if given and here is not None:
+            source += f" (measured here: {here[key] * (1e6 if unit == 'us' else 1e-9):.2f} {unit})"
+        rows.append([name, f"{value:.2f} {unit}", source])
+    return Table(("parameter", "value", "from"), rows, title=(
+        f"The model's parameters (measurements: median of {args.repeats} after {args.warmup} warm-up; "
+        "--validate takes this machine's MPI figures as its network)"))
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+def _validation_table(args, rows, here) -> Table:
+    machine = _this_machine(here)
+    table = Table(VALIDATION_COLUMNS, title=(
+        f"Predicted vs measured on this machine (network = MPI over shared memory, as fitted); slowest "
+        f"rank, median of {args.repeats} after {args.warmup} warm-up"))
+    errors = []
+    for row in rows:
+        nodes, k, n = row["nodes"], row["ranks_per_node"], row["numel"]
+        predicted = _costs.predict(4 * n, nodes, k, machine)
+        row["predicted"] = {name: predicted[name] for name in MEASURED}
+        for name in MEASURED:
+            pred, meas = predicted[name], median(row["times"][name])
+            errors.append(abs(pred / meas - 1))
+            table.rows.append([f"{nodes} x {k}", f"{n:,}", name, _ms(pred), _ms(meas),
+                               f"{100 * (pred / meas - 1):+.0f}%", _bytes_match(row, name)])
+    table.notes = [f"error = predicted / measured - 1; median |error| {100 * median(errors):.0f}%, "
+                   f"largest {100 * max(errors):.0f}%. 1 x 2 is the calibration's configuration (other sizes)."]
+    return table
+
+
+def _bytes_match(row, name) -> str:
+    if name == "flat ring":
+        return "-"
+    expected = _costs.bytes_per_rank(name, 4 * row["numel"], row["nodes"], row["ranks_per_node"])
+    counted = {key: round(value) for key, value in row["traffic"][name].items()}
+    return "yes" if counted == expected else f"no: hsgd counted {counted}, model {expected}"
+
+
+def _validate_numels(args):
+    return [-(-int(s) // 64) * 64 for s in args.validate_sizes]
+
+
+def worker(args):
+    """On every rank: the calibration (2 ranks) and ``--validate``'s configurations for this rank
+    count; rank 0 returns every repeat's time and its traffic per average."""
+    import torch
+    from mpi4py import MPI
+
+    from .allreduce import hsgd_times, mpi_times
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    out = {"ranks": comm.size, "calibration": None, "validation": []}
+    if comm.size == 2:
+        out["calibration"] = {"sizes": list(CALIBRATION_SIZES),
+                              "level1": [hsgd_times(comm, n, args)[0] for n in CALIBRATION_SIZES],
+                              "mpi": [mpi_times(comm, n, args) for n in CALIBRATION_SIZES]}
+    for nodes, k in (VALIDATION[comm.size] if args.validate else ()):
+        for n in _validate_numels(args):
+            row = {"nodes": nodes, "ranks_per_node": k, "numel": n, "times": {}, "traffic": {}}
+            row["times"]["flat ring"] = mpi_times(comm, n, args)
+            for name in ("leader", "sharded"):
+                row["times"][name], row["traffic"][name] = hsgd_times(
+                    comm, n, args, ranks_per_node=None if nodes == 1 else k, inter_node=name)
+            out["validation"].append(row)
+    return out
+
+
+# --- the picture --------------------------------------------------------------------------------
+
+def _draw(args, predictions, path: Path) -> None:
+    from .._trainer.plots import new_figure
+
+    fig = new_figure()
+    sizes, ks = list(dict.fromkeys(args.params)), list(dict.fromkeys(args.ranks_per_node))
+    fig.set_size_inches(2.8 * len(ks) + 1, 2.4 * len(sizes) + 0.6)
+    axes = fig.subplots(len(sizes), len(ks), squeeze=False, sharex=True)
+    for i, params in enumerate(sizes):
+        for j, k in enumerate(ks):
+            ax, mine = axes[i][j], [p for p in predictions if p["params"] == params and p["ranks_per_node"] == k]
+            for name, style in zip(_costs.STRATEGIES, STYLES):
+                pts = [(p["nodes"], 1e3 * p["seconds"][name]) for p in mine if p["seconds"][name] > 0]
+                if pts:
+                    ax.plot(*zip(*pts), style, ms=3, label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{_count(params)} params, {k} rank{'s' if k > 1 else ''} per node", fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("ms per step")
+            if i == len(sizes) - 1:
+                ax.set_xlabel("nodes")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Predicted communication per step: {args.latency * 1e6:g} us, "
+                 f"{args.bandwidth / 1e9:g} GB/s per node", fontsize=10)
+    fig.savefig(path, dpi=100)
