@@ -77,6 +77,10 @@ class SlotBinding:
     ``flags=True``) one float32 entry of ``len(params)`` used-flags.
     """
 
+    #: Device types whose tensors become views into the slot; any other is staged. The tests
+    #: empty it to run the staged path (what CUDA tensors take) on the CPU.
+    zero_copy_devices = ("cpu",)
+
     def __init__(self, averager, params: Sequence[torch.nn.Parameter], what: str,
                  flags: bool = False):
         if what not in ("grad", "data"):
@@ -89,7 +93,7 @@ class SlotBinding:
             _own_tensor(averager.own(seg), off, p.numel()).view(p.shape)
             for p, (seg, off) in zip(self.params, places)]
         self._versions = [view._version for view in self.views]
-        self.zero_copy = [p.device.type == "cpu" for p in self.params]
+        self.zero_copy = [p.device.type in self.zero_copy_devices for p in self.params]
         self.flags = None
         if flags:
             seg, off = places[len(self.params)]
@@ -132,7 +136,7 @@ class SlotBinding:
                 elif zc:
                     continue  # the view itself was averaged; gather() attached it
                 elif self._current(p) is None:
-                    p.grad = view.to(p.device)
+                    p.grad = view.to(p.device, copy=True)  # private, never the slot itself
                 else:
                     self._current(p).copy_(view)
 

@@ -1,10 +1,17 @@
-"""HierarchicalSGD under mpiexec: equal to single-process SGD, and safe to misuse."""
+"""HierarchicalSGD under mpiexec: equal to single-process SGD, and safe to misuse.
+
+Collective objects are closed explicitly at the end of a test, not by a ``with`` block: a
+failed assertion on one rank must abort the job (tests/mpi/conftest.py), not run a collective
+``close()`` on that rank alone and hang.
+"""
 
 import pytest
 import torch
-from _models import fixed_batch, mlp, shard
+from _models import LAYOUTS, fixed_batch, mlp, shard
 
 from hsgd import HierarchicalLocalSGD, HierarchicalSGD, Topology, broadcast_parameters
+from hsgd._engine.binding import SlotBinding
+from hsgd.broadcast import average_buffers
 
 STEPS = 10
 OPTIMIZERS = {
@@ -13,6 +20,24 @@ OPTIMIZERS = {
     "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
 }
+
+
+@pytest.fixture(params=["zero_copy", "staged"])
+def binding(request, monkeypatch):
+    """Both ways gradients (or parameters) meet the shared slot: as views into it (CPU
+    tensors) and staged, copied in and out (CUDA tensors; forced here on the CPU)."""
+    if request.param == "staged":
+        monkeypatch.setattr(SlotBinding, "zero_copy_devices", ())
+    return request.param
+
+
+def check_binding(opt, binding):
+    """``opt`` bound its tensors the ``binding`` way; staged ones are not views into the slot."""
+    bound = opt._binding
+    assert bound.zero_copy == [binding == "zero_copy"] * len(bound.params)
+    if binding == "staged":
+        current = [p.grad if bound.what == "grad" else p.data for p in bound.params]
+        assert all(t is None or t.data_ptr() != v.data_ptr() for t, v in zip(current, bound.views))
 
 
 def reference(dtype, make_opt, steps=STEPS, clip=None):
@@ -31,73 +56,89 @@ def reference(dtype, make_opt, steps=STEPS, clip=None):
 
 def assert_params_close(model, want, dtype):
     tol = 1e-10 if dtype == torch.float64 else 1e-5
-    for got, exp in zip(model.parameters(), want):
-        torch.testing.assert_close(got.detach(), exp, rtol=tol, atol=tol * exp.abs().max().item())
+    got = list(model.parameters())
+    assert len(got) == len(want)
+    for g, exp in zip(got, want):
+        torch.testing.assert_close(g.detach(), exp, rtol=tol, atol=tol * exp.abs().max().item())
+
+
+def check_strategy(opt, topo, inter_node):
+    """The strategy asked for runs (no fallback to 'leader'), across nodes when there are ranks to."""
+    assert opt.averager.inter_node == inter_node
+    assert topo.num_nodes > 1 or topo.size == 1 or inter_node == "leader"
 
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("inter_node", ["leader", "sharded"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.filterwarnings("ignore:inter_node='sharded' needs nodes")
 def test_equals_single_process(comm, dtype, inter_node, opt_name):
     make_opt = OPTIMIZERS[opt_name]
     x, y = fixed_batch(dtype)
     xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
     model = mlp(dtype, seed=comm.rank)  # different init: the broadcast must fix it
-    with Topology.from_comm(comm, ranks_per_node=2) as topo, \
-            HierarchicalSGD(make_opt(model.parameters()), model, topology=topo,
-                            inter_node=inter_node) as opt:
-        for _ in range(STEPS):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(xs), ys).backward()
-            opt.step()
+    topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[inter_node](comm.size))
+    opt = HierarchicalSGD(make_opt(model.parameters()), model, topology=topo, inter_node=inter_node)
+    check_strategy(opt, topo, inter_node)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xs), ys).backward()
+        opt.step()
     assert_params_close(model, reference(dtype, make_opt), dtype)
+    opt.close()
+    topo.close()
 
 
 @pytest.mark.parametrize("rpn", [1, 3, None])
-def test_equals_single_process_any_layout(comm, rpn):
+def test_equals_single_process_any_layout(comm, rpn, binding):
     x, y = fixed_batch()
     model = mlp()
     make_opt = OPTIMIZERS["momentum_wd"]
-    with Topology.from_comm(comm, ranks_per_node=rpn) as topo, \
-            HierarchicalSGD(make_opt(model.parameters()), model, topology=topo) as opt:
-        for _ in range(STEPS):
-            opt.zero_grad()
-            out = model(shard(x, comm.rank, comm.size))
-            torch.nn.functional.cross_entropy(out, shard(y, comm.rank, comm.size)).backward()
-            opt.step()
+    topo = Topology.from_comm(comm, ranks_per_node=rpn)
+    opt = HierarchicalSGD(make_opt(model.parameters()), model, topology=topo)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=step % 2 == 0)  # staged gradients: both zeroings
+        out = model(shard(x, comm.rank, comm.size))
+        torch.nn.functional.cross_entropy(out, shard(y, comm.rank, comm.size)).backward()
+        opt.step()
+        check_binding(opt, binding)
     assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
+    opt.close()
+    topo.close()
 
 
-def test_clip_between_synchronize_and_step(comm):
+def test_clip_between_synchronize_and_step(comm, binding):
     x, y = fixed_batch()
     model = mlp()
     make_opt = OPTIMIZERS["sgd"]
-    with HierarchicalSGD(make_opt(model.parameters()), model) as opt:
-        for _ in range(STEPS):
-            opt.zero_grad()
-            out = model(shard(x, comm.rank, comm.size))
-            torch.nn.functional.cross_entropy(out, shard(y, comm.rank, comm.size)).backward()
-            opt.synchronize()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            with opt.skip_synchronize():
-                opt.step()
+    opt = HierarchicalSGD(make_opt(model.parameters()), model)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        out = model(shard(x, comm.rank, comm.size))
+        torch.nn.functional.cross_entropy(out, shard(y, comm.rank, comm.size)).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with opt.skip_synchronize():
+            opt.step()
+    check_binding(opt, binding)
     assert_params_close(model, reference(torch.float64, make_opt, clip=0.05), torch.float64)
+    opt.close()
 
 
-def test_accumulation_over_micro_batches(comm):
+def test_accumulation_over_micro_batches(comm, binding):
     x, y = fixed_batch()
     xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
     half = xs.shape[0] // 2
     model = mlp()
     make_opt = OPTIMIZERS["momentum_wd"]
-    with HierarchicalSGD(make_opt(model.parameters()), model, backward_passes_per_step=2) as opt:
-        for _ in range(STEPS):
-            opt.zero_grad()
-            for part in (slice(0, half), slice(half, None)):
-                torch.nn.functional.cross_entropy(model(xs[part]), ys[part]).backward()
-            opt.step()
+    opt = HierarchicalSGD(make_opt(model.parameters()), model, backward_passes_per_step=2)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        for part in (slice(0, half), slice(half, None)):
+            torch.nn.functional.cross_entropy(model(xs[part]), ys[part]).backward()
+        opt.step()
+    check_binding(opt, binding)
     assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
+    opt.close()
 
 
 class Branchy(torch.nn.Module):
@@ -112,18 +153,20 @@ class Branchy(torch.nn.Module):
         return h.sum() + (self.branch(h).sum() if use_branch else 0.0)
 
 
-def test_unused_branch_counts_as_zero(comm):
+def test_unused_branch_counts_as_zero(comm, binding):
     model = Branchy()
     x = torch.ones(2, 4, dtype=torch.float64)
-    with HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.0), model) as opt:
-        for _ in range(2):
-            opt.zero_grad(set_to_none=True)
-            model(x, use_branch=comm.rank == 0).backward()
-            opt.step()
-        ref = Branchy()
-        ref(x, use_branch=True).backward()
-        want = ref.branch.weight.grad / comm.size
-        torch.testing.assert_close(model.branch.weight.grad, want)
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.0), model)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        model(x, use_branch=comm.rank == 0).backward()
+        opt.step()
+    check_binding(opt, binding)
+    ref = Branchy()
+    ref(x, use_branch=True).backward()
+    want = ref.branch.weight.grad / comm.size
+    torch.testing.assert_close(model.branch.weight.grad, want)
+    opt.close()
 
 
 @pytest.mark.parametrize("write", ["copy_", "fill_", "add_"])
@@ -131,36 +174,39 @@ def test_unused_branch_counts_as_zero(comm):
 def test_gradients_written_in_place_are_averaged(comm, write, path):
     """Gradients written into p.grad without backward (as Horovod's tests do) are kept."""
     model = torch.nn.Linear(3, 2).double()
-    with HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.5), model) as opt:
-        before = [p.detach().clone() for p in model.parameters()]
-        opt.zero_grad()
-        for p in model.parameters():
-            value = torch.full_like(p, float(comm.rank + 1))
-            getattr(p.grad, write)(value if write != "fill_" else float(comm.rank + 1))
-        if path == "synchronize":
-            opt.synchronize()
-        else:
-            opt.step()
-        mean = (comm.size + 1) / 2  # mean of 1..size
-        for p, old in zip(model.parameters(), before):
-            assert p.grad is not None, f"{write} gradient dropped after {path}()"
-            torch.testing.assert_close(p.grad, torch.full_like(p, mean), rtol=0, atol=0)
-            if path == "step":
-                torch.testing.assert_close(p.detach(), old - 0.5 * mean, rtol=0, atol=1e-15)
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.5), model)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    for p in model.parameters():
+        value = torch.full_like(p, float(comm.rank + 1))
+        getattr(p.grad, write)(value if write != "fill_" else float(comm.rank + 1))
+    if path == "synchronize":
+        opt.synchronize()
+    else:
+        opt.step()
+    mean = (comm.size + 1) / 2  # mean of 1..size
+    for p, old in zip(model.parameters(), before):
+        assert p.grad is not None, f"{write} gradient dropped after {path}()"
+        torch.testing.assert_close(p.grad, torch.full_like(p, mean), rtol=0, atol=0)
+        if path == "step":
+            torch.testing.assert_close(p.detach(), old - 0.5 * mean, rtol=0, atol=1e-15)
+    opt.close()
 
 
-def test_model_replaced_grads_are_picked_up(comm):
+def test_model_replaced_grads_are_picked_up(comm, binding):
     """A user zeroing through the model (set_to_none) must not lose gradients."""
     x, y = fixed_batch()
     model = mlp()
     make_opt = OPTIMIZERS["sgd"]
-    with HierarchicalSGD(make_opt(model.parameters()), model) as opt:
-        for _ in range(STEPS):
-            model.zero_grad(set_to_none=True)
-            out = model(shard(x, comm.rank, comm.size))
-            torch.nn.functional.cross_entropy(out, shard(y, comm.rank, comm.size)).backward()
-            opt.step()
+    opt = HierarchicalSGD(make_opt(model.parameters()), model)
+    for _ in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        out = model(shard(x, comm.rank, comm.size))
+        torch.nn.functional.cross_entropy(out, shard(y, comm.rank, comm.size)).backward()
+        opt.step()
+    check_binding(opt, binding)
     assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
+    opt.close()
 
 
 @pytest.mark.parametrize("culprit", ["shape", "count", "dtype"])
@@ -199,26 +245,27 @@ def test_bad_argument_on_one_rank_raises_everywhere(comm):
 @pytest.mark.parametrize("intra,inter", [(1, 1), (2, 3), (3, 1)])
 def test_parameter_averaging_fires_at_expected_steps(comm, intra, inter):
     """Rank r's gradient is r + 1; simulate every rank's scalar in plain floats."""
-    with Topology.from_comm(comm, ranks_per_node=2) as topo:
-        nodes = [list(range(s, min(s + 2, comm.size))) for s in range(0, comm.size, 2)]
-        model = torch.nn.Linear(1, 1, bias=False).double()
-        opt = HierarchicalLocalSGD(torch.optim.SGD(model.parameters(), lr=1.0), model,
-                                   topology=topo, intra_period=intra, inter_period=inter)
-        sim = [model.weight.item()] * comm.size
-        for t in range(13):
-            opt.zero_grad()
-            model.weight.grad = torch.full_like(model.weight, comm.rank + 1.0)
-            opt.step()
-            sim = [w - (r + 1.0) for r, w in enumerate(sim)]
-            if t % (intra * inter) == 0:
-                sim = [sum(sim) / len(sim)] * len(sim)
-            elif t % intra == 0:
-                for node in nodes:
-                    mean = sum(sim[r] for r in node) / len(node)
-                    for r in node:
-                        sim[r] = mean
-            assert model.weight.item() == pytest.approx(sim[comm.rank], rel=1e-12), t
-        opt.close()
+    topo = Topology.from_comm(comm, ranks_per_node=2)
+    nodes = [list(range(s, min(s + 2, comm.size))) for s in range(0, comm.size, 2)]
+    model = torch.nn.Linear(1, 1, bias=False).double()
+    opt = HierarchicalLocalSGD(torch.optim.SGD(model.parameters(), lr=1.0), model,
+                               topology=topo, intra_period=intra, inter_period=inter)
+    sim = [model.weight.item()] * comm.size
+    for t in range(13):
+        opt.zero_grad()
+        model.weight.grad = torch.full_like(model.weight, comm.rank + 1.0)
+        opt.step()
+        sim = [w - (r + 1.0) for r, w in enumerate(sim)]
+        if t % (intra * inter) == 0:
+            sim = [sum(sim) / len(sim)] * len(sim)
+        elif t % intra == 0:
+            for node in nodes:
+                mean = sum(sim[r] for r in node) / len(node)
+                for r in node:
+                    sim[r] = mean
+        assert model.weight.item() == pytest.approx(sim[comm.rank], rel=1e-12), t
+    opt.close()
+    topo.close()
 
 
 @pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
@@ -239,12 +286,15 @@ def test_state_broadcast_after_rank0_loads(comm, name):
     opt.broadcast_state()
     broadcast_parameters(model, comm)
     states = comm.allgather(opt.state_dict())
-    ref = states[0]
+    ref, mine = states[0]["state"], opt.state_dict()["state"]
     assert opt.param_groups[0]["lr"] == 0.123 and opt.num_steps == 7
-    for key, value in ref["state"].items():
+    # rank 0 stepped once: every parameter has state (else the comparison below compares nothing)
+    assert len(ref) == len(list(model.parameters())) and all(ref.values())
+    assert mine.keys() == ref.keys()
+    for key, value in ref.items():
+        assert mine[key].keys() == value.keys()
         for k, v in value.items():
-            mine = opt.state_dict()["state"][key][k]
-            torch.testing.assert_close(torch.as_tensor(mine), torch.as_tensor(v), rtol=0, atol=0)
+            torch.testing.assert_close(torch.as_tensor(mine[key][k]), torch.as_tensor(v), rtol=0, atol=0)
     opt.close()
 
 
@@ -268,23 +318,25 @@ def test_close_keeps_values_and_use_after_close_raises(comm):
 
 
 
-def test_parameter_no_rank_used_is_left_alone(comm):
+def test_parameter_no_rank_used_is_left_alone(comm, binding):
     model = Branchy()
     x = torch.ones(2, 4, dtype=torch.float64)
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
     before = model.branch.weight.detach().clone()
-    with HierarchicalSGD(inner, model) as opt:
-        for _ in range(3):
-            opt.zero_grad()
-            model(x, use_branch=False).backward()
-            opt.step()
-            assert model.branch.weight.grad is None and model.trunk.weight.grad is not None
-        assert torch.equal(model.branch.weight.detach(), before)
+    opt = HierarchicalSGD(inner, model)
+    for _ in range(3):
         opt.zero_grad()
-        model(x, use_branch=True).backward()  # used again: back to a shared-memory view
+        model(x, use_branch=False).backward()
         opt.step()
-        assert model.branch.weight.grad is not None
-        assert not torch.equal(model.branch.weight.detach(), before)
+        assert model.branch.weight.grad is None and model.trunk.weight.grad is not None
+    assert torch.equal(model.branch.weight.detach(), before)
+    opt.zero_grad()
+    model(x, use_branch=True).backward()  # used again: back to a shared-memory view (or staged)
+    opt.step()
+    check_binding(opt, binding)
+    assert model.branch.weight.grad is not None
+    assert not torch.equal(model.branch.weight.detach(), before)
+    opt.close()
 
 
 def test_buffer_mismatch_raises_instead_of_hanging(comm):
@@ -300,46 +352,74 @@ def test_buffer_mismatch_raises_instead_of_hanging(comm):
 def test_synchronize_twice_averages_once(comm):
     model = mlp()
     x, y = fixed_batch()
-    with HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                         backward_passes_per_step=2) as opt:
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, backward_passes_per_step=2)
+    torch.nn.functional.cross_entropy(model(shard(x, comm.rank, comm.size)),
+                                      shard(y, comm.rank, comm.size)).backward()
+    opt.synchronize()
+    once = [p.grad.clone() for p in model.parameters()]
+    opt.synchronize()
+    grads = [p.grad for p in model.parameters()]
+    assert len(grads) == len(once) and all(torch.equal(g, o) for g, o in zip(grads, once))
+    opt.close()
+
+
+def local_sgd_reference(node_sizes, rank, make_opt, steps, intra, inter):
+    """Every rank's replica in one process: each steps on its own shard, then the replicas of each
+    node (virtual nodes: consecutive ranks) or of all ranks are replaced by their mean parameters
+    on HierarchicalLocalSGD's schedule. Returns rank ``rank``'s parameters."""
+    size = sum(node_sizes)
+    x, y = fixed_batch()
+    models = [mlp() for _ in range(size)]
+    opts = [make_opt(m.parameters()) for m in models]
+    starts = [sum(node_sizes[:i]) for i in range(len(node_sizes))]
+    nodes = [list(range(a, a + n)) for a, n in zip(starts, node_sizes)]
+    for t in range(steps):
+        for r, (model, opt) in enumerate(zip(models, opts)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(shard(x, r, size)), shard(y, r, size)).backward()
+            opt.step()
+        groups = [list(range(size))] if t % (intra * inter) == 0 else nodes if t % intra == 0 else []
+        with torch.no_grad():
+            for group in groups:
+                for replicas in zip(*(models[r].parameters() for r in group)):
+                    mean = torch.stack(replicas).mean(0)
+                    for p in replicas:
+                        p.copy_(mean)
+    return [p.detach().clone() for p in models[rank].parameters()]
+
+
+@pytest.mark.parametrize("inter_node", ["leader", "sharded"])
+def test_local_sgd_equals_a_one_process_simulation(comm, inter_node, binding):
+    topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[inter_node](comm.size))
+    model = mlp(seed=comm.rank)  # different init: the broadcast must fix it
+    make_opt = OPTIMIZERS["momentum_wd"]  # momentum stays each rank's own
+    opt = HierarchicalLocalSGD(make_opt(model.parameters()), model, topology=topo, inter_node=inter_node,
+                               intra_period=2, inter_period=2)  # global on 0 and 4, node on 2 and 6
+    check_strategy(opt, topo, inter_node)
+    x, y = fixed_batch()
+    for _ in range(7):
+        opt.zero_grad()
         torch.nn.functional.cross_entropy(model(shard(x, comm.rank, comm.size)),
                                           shard(y, comm.rank, comm.size)).backward()
-        opt.synchronize()
-        once = [p.grad.clone() for p in model.parameters()]
-        opt.synchronize()
-        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), once))
-
-
-@pytest.mark.filterwarnings("ignore:inter_node='sharded' needs nodes")
-def test_parameter_mode_sharded_equals_leader(comm):
-    results = []
-    for inter_node in ("leader", "sharded"):
-        model = mlp()
-        x, y = fixed_batch()
-        with Topology.from_comm(comm, ranks_per_node=2) as topo, \
-                HierarchicalLocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                     topology=topo, inter_node=inter_node, intra_period=2,
-                                     inter_period=2) as opt:
-            for _ in range(6):
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(shard(x, comm.rank, comm.size)),
-                                                  shard(y, comm.rank, comm.size)).backward()
-                opt.step()
-        results.append([p.detach().clone() for p in model.parameters()])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+        opt.step()
+    check_binding(opt, binding)
+    want = local_sgd_reference(list(topo.node_sizes), comm.rank, make_opt, 7, 2, 2)
+    assert_params_close(model, want, torch.float64)
+    opt.close()
+    topo.close()
 
 
 def _traffic_of(make_opt, model, topo, steps):
     """Sum over all ranks of the bytes counted during ``steps`` steps, and this rank's own."""
     x = torch.ones(2, model.in_features, dtype=torch.float64)
-    with make_opt(topo) as opt:
-        assert opt.traffic == {"intra_bytes": 0, "inter_bytes": 0}
-        for _ in range(steps):
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
-        mine = opt.traffic
+    opt = make_opt(topo)
+    assert opt.traffic == {"intra_bytes": 0, "inter_bytes": 0}
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    mine = opt.traffic
+    opt.close()
     return {k: topo.comm.allreduce(v) for k, v in mine.items()}, mine
 
 
@@ -353,27 +433,29 @@ def test_traffic_counters_match_the_closed_form(comm, inter_node):
     # float32 "used" flags of gradient averaging take one line of 64.
     model = torch.nn.Linear(32, 8).double()
     n = 2048 + 64 + 64
-    with Topology.from_comm(comm, ranks_per_node=2) as topo:
-        total, mine = _traffic_of(lambda t: HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1),
-                                                            model, topology=t, inter_node=inter_node),
-                                  model, topo, steps=3)
-        assert total == {"inter_bytes": 3 * 2 * n, "intra_bytes": 3 * 2 * 2 * n}, total
-        if inter_node == "leader":
-            assert mine["inter_bytes"] == (3 * n if topo.is_leader else 0)
-        m = 2048 + 64  # local SGD averages the values only, no flags
-        total, _ = _traffic_of(lambda t: HierarchicalLocalSGD(
-            torch.optim.SGD(model.parameters(), lr=0.1), model, topology=t, inter_node=inter_node,
-            intra_period=1, inter_period=2), model, topo, steps=4)  # global on 0 and 2, node on 1 and 3
-        assert total == {"inter_bytes": 2 * 2 * m, "intra_bytes": 4 * 2 * 2 * m}, total
+    topo = Topology.from_comm(comm, ranks_per_node=2)
+    total, mine = _traffic_of(lambda t: HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                        model, topology=t, inter_node=inter_node),
+                              model, topo, steps=3)
+    assert total == {"inter_bytes": 3 * 2 * n, "intra_bytes": 3 * 2 * 2 * n}, total
+    if inter_node == "leader":
+        assert mine["inter_bytes"] == (3 * n if topo.is_leader else 0)
+    m = 2048 + 64  # local SGD averages the values only, no flags
+    total, _ = _traffic_of(lambda t: HierarchicalLocalSGD(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, topology=t, inter_node=inter_node,
+        intra_period=1, inter_period=2), model, topo, steps=4)  # global on 0 and 2, node on 1 and 3
+    assert total == {"inter_bytes": 2 * 2 * m, "intra_bytes": 4 * 2 * 2 * m}, total
+    topo.close()
 
 
 def test_a_single_node_sends_nothing_across_nodes(comm):
     model = torch.nn.Linear(8, 8).double()
     n = 512 + 64 + 64  # weight, bias, used flags (each on its own 64-byte line)
-    with Topology.from_comm(comm) as topo:
-        assert topo.num_nodes == 1
-        total, _ = _traffic_of(lambda t: HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1),
-                                                         model, topology=t), model, topo, steps=2)
+    topo = Topology.from_comm(comm)
+    assert topo.num_nodes == 1
+    total, _ = _traffic_of(lambda t: HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                     model, topology=t), model, topo, steps=2)
+    topo.close()
     k = comm.size
     assert total == {"inter_bytes": 0, "intra_bytes": 2 * 2 * (k - 1) * n}, total
 
@@ -456,4 +538,29 @@ def test_gradients_finite_is_the_same_on_every_rank(comm):
         finite = opt.gradients_finite()
         assert finite == (poison is None)
         assert comm.allgather(finite) == [finite] * comm.Get_size()
+    opt.close()
+
+
+def test_batchnorm_running_statistics_are_averaged(comm):
+    """Each rank's BatchNorm running statistics come from its own batches (gradient averaging
+    leaves them apart): average_buffers, and the mode's shared_state_dict (what a checkpoint
+    holds), give every rank their mean over ranks; the batch counter is rank 0's."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4)).double()
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    x, _ = fixed_batch()
+    for _ in range(rank + 1):  # rank r sees r + 1 batches, scaled by r + 1: every statistic differs
+        model(shard(x, rank, size) * (rank + 1))
+    stats = ("running_mean", "running_var")
+    every = comm.allgather({k: getattr(model[1], k).clone() for k in stats})
+    if size > 1:
+        assert not torch.equal(every[0]["running_var"], every[-1]["running_var"])
+    want = {k: torch.stack([e[k] for e in every]).mean(0) for k in stats}
+    shared = opt.shared_state_dict()
+    average_buffers(model, comm)
+    for k in stats:
+        torch.testing.assert_close(getattr(model[1], k), want[k], rtol=1e-12, atol=0)
+        torch.testing.assert_close(shared[f"1.{k}"], want[k], rtol=1e-12, atol=0)
+    assert model[1].num_batches_tracked.item() == shared["1.num_batches_tracked"].item() == 1
     opt.close()

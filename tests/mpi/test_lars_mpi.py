@@ -5,12 +5,13 @@ it sees the gradient averaged over every rank: each rank takes its shard of a
 fixed batch, and after ``STEPS`` synchronized steps (with a warm-up/poly
 schedule on the inner optimizer) its parameters must match one process
 training on the whole batch to 1e-10 (float64). Works for any world size
-that divides ``GLOBAL_BATCH``.
+that divides ``GLOBAL_BATCH``. ``inter_node='sharded'`` runs on equal virtual
+nodes, several of them from 2 ranks on (see ``_models.LAYOUTS``), never falling back.
 """
 
 import pytest
 import torch
-from _models import fixed_batch, mlp, shard
+from _models import LAYOUTS, fixed_batch, mlp, shard
 
 from hsgd import HierarchicalSGD, Topology
 from hsgd.lars import LARS
@@ -51,22 +52,27 @@ def reference(variant):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("inter_node", ["leader", "sharded"])
-@pytest.mark.filterwarnings("ignore:inter_node='sharded' needs nodes")
 def test_lars_equals_single_process(comm, inter_node, variant):
     x, y = fixed_batch(DTYPE)
     xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
     model = mlp(DTYPE, seed=comm.rank)  # different init: the broadcast must fix it
     start = [p.detach().clone() for p in mlp(DTYPE).parameters()]
-    with Topology.from_comm(comm, ranks_per_node=2) as topo:
-        inner, sched = make_lars(model.parameters(), variant)
-        with HierarchicalSGD(inner, model, topology=topo, inter_node=inter_node) as opt:
-            for _ in range(STEPS):
-                opt.zero_grad()
-                loss_on(model, xs, ys).backward()
-                opt.step()
-                sched.step()
+    topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[inter_node](comm.size))
+    inner, sched = make_lars(model.parameters(), variant)
+    opt = HierarchicalSGD(inner, model, topology=topo, inter_node=inter_node)
+    assert opt.averager.inter_node == inter_node  # no fallback
+    assert topo.num_nodes > 1 or comm.size == 1 or inter_node == "leader"
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss_on(model, xs, ys).backward()
+        opt.step()
+        sched.step()
+    opt.close()
+    topo.close()
     want = reference(variant)
-    for got, exp, init in zip(model.parameters(), want, start):
+    params = list(model.parameters())
+    assert len(params) == len(want) == len(start)
+    for got, exp, init in zip(params, want, start):
         torch.testing.assert_close(got.detach(), exp, rtol=1e-10,
                                    atol=1e-10 * exp.abs().max().item())
         # the comparison means something only if LARS moved every tensor

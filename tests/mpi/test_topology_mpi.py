@@ -13,27 +13,30 @@ def expected_nodes(size, rpn):
 
 @pytest.mark.parametrize("rpn", [1, 2, 3, None])
 def test_layout(comm, rpn):
-    with Topology.from_comm(comm, ranks_per_node=rpn) as topo:
-        sizes = expected_nodes(comm.size, rpn)
-        assert list(topo.node_sizes) == sizes
-        assert topo.num_nodes == len(sizes)
-        per = rpn or comm.size
-        assert topo.node_index == comm.rank // per
-        assert topo.local_rank == comm.rank % per
-        assert topo.local_size == sizes[topo.node_index]
-        assert topo.is_leader == (topo.local_rank == 0)
-        assert (topo.leader_comm is not None) == topo.is_leader
-        if topo.is_leader:
-            assert topo.leader_comm.size == topo.num_nodes
-        assert topo.node_comm.size == topo.local_size
+    topo = Topology.from_comm(comm, ranks_per_node=rpn)  # closed at the end: see test_hsgd_mpi.py
+    sizes = expected_nodes(comm.size, rpn)
+    assert list(topo.node_sizes) == sizes
+    assert topo.num_nodes == len(sizes)
+    per = rpn or comm.size
+    assert topo.node_index == comm.rank // per
+    assert topo.local_rank == comm.rank % per
+    assert topo.local_size == sizes[topo.node_index]
+    assert topo.is_leader == (topo.local_rank == 0)
+    assert (topo.leader_comm is not None) == topo.is_leader
+    if topo.is_leader:
+        assert topo.leader_comm.size == topo.num_nodes
+    assert topo.node_comm.size == topo.local_size
+    topo.close()
 
 
 def test_env_variable(comm, monkeypatch):
     monkeypatch.setenv("HSGD_RANKS_PER_NODE", "2")
-    with Topology.from_comm(comm) as topo:
-        assert list(topo.node_sizes) == expected_nodes(comm.size, 2)
-    with Topology.from_comm(comm, ranks_per_node=1) as topo:  # argument wins
-        assert topo.num_nodes == comm.size
+    topo = Topology.from_comm(comm)
+    assert list(topo.node_sizes) == expected_nodes(comm.size, 2)
+    topo.close()
+    topo = Topology.from_comm(comm, ranks_per_node=1)  # argument wins
+    assert topo.num_nodes == comm.size
+    topo.close()
 
 
 @pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5"])

@@ -279,9 +279,13 @@ def test_direct_reads_where_the_layout_allows_and_same_batches(tmp_path, layout,
     with loader(tmp_path / "d.h5", block_size=40) as fast, \
             loader(tmp_path / "d.h5", block_size=40, direct_reads=False) as slow:
         assert fast._source.direct is direct and not slow._source.direct
-        for (xa, ya, ia), (xb, yb, ib) in zip(fast, slow):
+        batches, fast_it, slow_it = 0, iter(fast), iter(slow)
+        for (xa, ya, ia), (xb, yb, ib) in zip(fast_it, slow_it):  # pairwise: buffers are reused
             assert torch.equal(ia, ib) and torch.equal(ya, yb) and torch.equal(xa, xb)
             np.testing.assert_array_equal(xa.numpy(), x[ia.numpy()])
+            batches += 1
+        assert batches == len(fast) == 300 // 8  # neither reader dropped a batch ...
+        assert next(fast_it, None) is None and next(slow_it, None) is None  # ... nor has one more
 
 
 def test_direct_ranges_merge_adjacent_chunks():
@@ -336,6 +340,7 @@ def test_same_seed_same_order_and_epochs_differ(tmp_path):
         first, again = epoch_indices(a), epoch_indices(b)
         assert a.epoch == 1  # a finished epoch moves on by itself
         second = epoch_indices(a)
+    assert len(first) == len(again) == len(second) == 257 // 8
     assert all(np.array_equal(p, q) for p, q in zip(first, again))
     assert not all(np.array_equal(p, q) for p, q in zip(first, second))
 
@@ -396,6 +401,7 @@ def test_prefetch_depths_give_the_same_batches(tmp_path, prefetch):
         got = epoch_indices(ld)
     with loader(tmp_path / "d.h5", block_size=8) as ref:
         want = epoch_indices(ref)
+    assert len(got) == len(want) == 257 // 8
     assert all(np.array_equal(p, q) for p, q in zip(got, want))
 
 
