@@ -11,7 +11,7 @@ from _models import LAYOUTS, fixed_batch, mlp, shard
 
 from hsgd import HierarchicalLocalSGD, HierarchicalSGD, Topology, broadcast_parameters
 from hsgd._engine.binding import SlotBinding
-from hsgd.broadcast import average_buffers
+from hsgd.replicas import average_buffers
 
 STEPS = 10
 OPTIMIZERS = {
