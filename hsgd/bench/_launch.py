@@ -96,14 +96,16 @@ def run_job(cmd: Sequence[str], env: Dict[str, str], timeout: Optional[float] = 
 
 def kill_tree(root: int) -> None:
     """SIGKILL ``root`` and its descendants (found through ``/proc`` where there is one)."""
-    for pid in reversed(_descendants(root)):
+    for pid in reversed(descendants(root)):
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
 
 
-def _descendants(root: int) -> List[int]:
+def descendants(root: int) -> List[int]:
+    """PIDs of ``root`` and every process below it (MPICH's ranks call setsid, so their
+    session and process group are their own: only parentage finds them)."""
     children: Dict[int, List[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

@@ -31,6 +31,8 @@ from typing import Dict, List, Optional, Sequence
 import pytest
 from leftovers import leftovers, remove, snapshot
 
+from hsgd.bench._launch import descendants  # the same process-tree walk as the benchmarks' launcher
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = int(os.environ.get("HSGD_MPI_TEST_TIMEOUT", "420"))
 # torch's own per-user compile cache (made in TMPDIR by the first optimizer step):
@@ -79,24 +81,6 @@ def mpi_env(env: Optional[Dict[str, str]] = None, tmpdir: Optional[str] = None) 
         full["TMPDIR"] = tmpdir
     full.update(env or {})
     return full
-
-
-def descendants(root: int) -> List[int]:
-    """PIDs of ``root`` and every process below it (MPICH's ranks call setsid, so their
-    session and process group are their own: only parentage finds them)."""
-    children: Dict[int, List[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
 
 
 def remove_leftovers(before: set, tmpdir: Optional[str]) -> List[str]:
