@@ -13,7 +13,7 @@ import torch
 from _models import fixed_batch, mlp, shard
 
 import hsgd
-from hsgd import HierarchicalLocalSGD, HierarchicalSGD, InputTypeError, InputValueError
+from hsgd import AsyncSGD, ElasticSGD, GossipSGD, HierarchicalLocalSGD, HierarchicalSGD, InputTypeError, InputValueError
 
 STEPS = 6
 
@@ -235,4 +235,20 @@ def test_broadcasts_take_horovod_arguments(comm):
     hsgd.broadcast_optimizer_state(opt, root_rank=root)
     assert opt.num_steps == 10 + root and opt.param_groups[0]["lr"] == 0.01 * (root + 1)
     assert opt.state_dict()["state"], "no momentum buffers to compare"
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", [HierarchicalLocalSGD, ElasticSGD, AsyncSGD, GossipSGD])
+def test_every_mode_takes_named_parameters_and_is_an_optimizer(comm, mode):
+    model = mlp(torch.float64)
+    opt = mode(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    assert isinstance(opt, torch.optim.Optimizer)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for x, y in batches(comm, 2):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+    assert opt.num_steps == 2 and opt.optimizer.param_groups[0]["lr"] == 0.025
+    assert list(opt.shared_state_dict()) == [name for name, _ in model.named_parameters()]
     opt.close()
