@@ -7,18 +7,29 @@ copy in or out, the idea of DDP's ``gradient_as_bucket_view``. A parameter on
 another device (CUDA) is *staged*: copied into the slot before averaging and
 back after.
 
-Users may break a view (``zero_grad(set_to_none=True)`` on the model, or
-assigning ``p.grad``); :meth:`SlotBinding.gather` notices by comparing data
-pointers, copies the value in, and restores the view. A missing gradient
-(an unused branch) counts as zero.
+Zeroing a gradient in shared memory is a memset of the whole model per step,
+and backward then adds its fresh gradient into it. ``zero_grad()``
+(``set_to_none=True``, torch's default) therefore sets CPU gradients to
+``None`` instead, as torch does, and a pre-hook on each parameter's
+gradient accumulator (it runs in ``backward()``, not in ``autograd.grad``)
+copies the fresh gradient into the slot and hands autograd a view of the
+slot as the new ``p.grad``: one copy, no memset, no addition. Once
+``p.grad`` is such a view, further backward passes accumulate into it in
+place. ``zero_grad(set_to_none=False)`` zeroes the slot and keeps the views.
+
+Users may also break a view (``zero_grad(set_to_none=True)`` on the model,
+or assigning ``p.grad``); :meth:`SlotBinding.gather` notices by comparing
+data pointers, copies the value in, and restores the view. A missing
+gradient (an unused branch) counts as zero.
 
 With ``flags=True`` (gradient binding) the slot also carries one "used" flag
 per parameter. A parameter counts as used on a rank when ``p.grad`` was
 written since the last zeroing: in place (backward accumulating into the
-view, or ``p.grad.copy_(g)`` from a hand-written estimator) or by assigning a
-new tensor (backward after ``set_to_none``). Each view is its own tensor over
-the shared memory with its own version counter, so an in-place write shows as
-a changed ``_version``; an assignment shows as another data pointer. The
+view, or ``p.grad.copy_(g)`` from a hand-written estimator), by the hook
+(another tensor object over the same memory), or by assigning a new tensor
+(backward after the model's own ``zero_grad``). Each view is its own tensor
+over the shared memory with its own version counter, so an in-place write
+shows as a changed ``_version``; an assignment shows as another data pointer. The
 flags are averaged with the gradients, so after averaging every rank knows
 which parameters no rank used; those get ``p.grad = None``, as in
 single-process torch, and the optimizer leaves them alone (no momentum or
@@ -27,6 +38,7 @@ weight decay step).
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import List, Sequence
 
@@ -98,7 +110,33 @@ class SlotBinding:
         if flags:
             seg, off = places[len(self.params)]
             self.flags = averager.own(seg)[off:off + len(self.params)]
+        self._accumulators, self._hooks = [], []
+        if what == "grad":
+            self._hook_accumulators()
         self.gather()
+
+    def _hook_accumulators(self) -> None:
+        """A pre-hook on each zero-copy parameter's ``AccumulateGrad`` node (:meth:`_into_slot`).
+        The nodes are kept: a leaf holds its accumulator weakly, and a new one has no hook."""
+        with torch.enable_grad():
+            for i, (p, zc) in enumerate(zip(self.params, self.zero_copy)):
+                if zc and p.requires_grad:
+                    node = p.expand_as(p).grad_fn.next_functions[0][0]  # as DDP's reducer finds it
+                    self._accumulators.append(node)
+                    self._hooks.append(node.register_prehook(functools.partial(self._into_slot, i)))
+
+    def _into_slot(self, i: int, grad_outputs):
+        """Before backward sets ``p.grad`` of a parameter that has none: copy the gradient into
+        the slot and give autograd a fresh view of it, which it takes as ``p.grad`` without a
+        copy (it is referenced nowhere else). Otherwise (accumulating into an existing
+        ``p.grad``, or ``create_graph=True``) autograd goes its usual way."""
+        p, grad = self.params[i], grad_outputs[0]
+        if (p.grad is not None or torch.is_grad_enabled() or grad is None
+                or grad.layout != torch.strided or grad.shape != p.shape or grad.dtype != p.dtype):
+            return None
+        fresh = self.views[i].detach()  # a new tensor object over the view's memory: autograd keeps it
+        fresh.copy_(grad)
+        return (fresh, *grad_outputs[1:])
 
     def _current(self, p):
         return p.grad if self.what == "grad" else p.data
@@ -119,7 +157,7 @@ class SlotBinding:
                 elif not (zc and cur.data_ptr() == view.data_ptr()):
                     view.copy_(cur)
                     used = True  # assigned by the user, or a fresh tensor from backward
-                elif cur._version != self._versions[i]:
+                elif cur is not view or cur._version != self._versions[i]:
                     used = True  # written in place (backward's accumulation, or the user)
                 if zc:
                     self._attach(p, view)
@@ -147,22 +185,28 @@ class SlotBinding:
                 view.mul_(factor)
         self._versions = [view._version for view in self.views]
 
-    def zero_(self, set_to_none: bool = False) -> None:
-        """Zero all bound gradients; CPU ones stay views into the slot."""
+    def zero_(self, set_to_none: bool = True) -> None:
+        """``set_to_none``: every bound gradient becomes ``None`` (backward then fills the
+        slot through :meth:`_into_slot`); else they are zeroed, CPU ones as views into the slot."""
+        if set_to_none:
+            for p in self.params:
+                p.grad = None
+            return
         for seg in range(len(self.averager.layout.dtypes)):
             self.averager.own(seg).zero_()
         for p, view, zc in zip(self.params, self.views, self.zero_copy):
             if zc:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
-            elif set_to_none:
-                p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
         self._versions = [view._version for view in self.views]
 
     def unbind(self) -> None:
         """Give every zero-copy parameter private storage again (before freeing)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._accumulators = [], []
         with torch.no_grad():
             for p, view, zc in zip(self.params, self.views, self.zero_copy):
                 cur = self._current(p)

@@ -134,7 +134,10 @@ class HierarchicalSGD(SyncMode):
         self._synchronized = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients in place (they must stay views into shared memory)."""
+        """As torch's: ``set_to_none=True`` (the default) sets the gradients to ``None``, and
+        the next backward writes them straight into shared memory; ``False`` zeroes them in
+        place, as views into shared memory (for code that writes into ``p.grad`` without a
+        backward pass)."""
         self._check_open()
         self._synchronized = False
         self._binding.zero_(set_to_none)

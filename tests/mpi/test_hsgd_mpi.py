@@ -176,7 +176,7 @@ def test_gradients_written_in_place_are_averaged(comm, write, path):
     model = torch.nn.Linear(3, 2).double()
     opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.5), model)
     before = [p.detach().clone() for p in model.parameters()]
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=False)  # zero gradients to write into, not None (torch's default)
     for p in model.parameters():
         value = torch.full_like(p, float(comm.rank + 1))
         getattr(p.grad, write)(value if write != "fill_" else float(comm.rank + 1))
@@ -190,6 +190,52 @@ def test_gradients_written_in_place_are_averaged(comm, write, path):
         torch.testing.assert_close(p.grad, torch.full_like(p, mean), rtol=0, atol=0)
         if path == "step":
             torch.testing.assert_close(p.detach(), old - 0.5 * mean, rtol=0, atol=1e-15)
+    opt.close()
+
+
+def test_zero_grad_sets_none_and_backward_fills_the_slot_without_a_copy(comm, binding):
+    """zero_grad() leaves None (torch's default); backward's gradient lands in the slot and
+    p.grad is a view of it (zero-copy) or private (staged); a second backward accumulates."""
+    x, y = fixed_batch()
+    model = mlp()
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    bound = opt._binding
+    want = mlp()
+    torch.nn.functional.cross_entropy(want(x), y).backward()
+    for micro in (1, 2):
+        if micro == 1:
+            opt.zero_grad()
+            assert all(p.grad is None for p in model.parameters())
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        for p, view, ref in zip(model.parameters(), bound.views, want.parameters()):
+            in_slot = p.grad.data_ptr() == view.data_ptr()
+            assert in_slot == (binding == "zero_copy"), f"after backward {micro}, in slot: {in_slot}"
+            torch.testing.assert_close(p.grad, micro * ref.grad, rtol=0, atol=1e-15)
+    opt.step()  # every rank had the same batch: the average is that gradient
+    for p, ref in zip(model.parameters(), want.parameters()):
+        torch.testing.assert_close(p.grad, 2 * ref.grad, rtol=0, atol=1e-14)
+    opt.close()
+
+
+def test_autograd_grad_and_create_graph_bypass_the_slot(comm):
+    """torch.autograd.grad returns private tensors and leaves p.grad alone; a backward with
+    create_graph=True keeps its graph (the slot hook stands aside); both still average."""
+    x, y = fixed_batch()
+    model = mlp()
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    opt.zero_grad()
+    params = list(model.parameters())
+    grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)
+    slot = opt._binding.views
+    assert all(p.grad is None for p in params)
+    assert all(g.data_ptr() != v.data_ptr() for g, v in zip(grads, slot))
+    torch.nn.functional.cross_entropy(model(x), y).backward(create_graph=True)
+    assert all(p.grad.requires_grad for p in params), "create_graph=True lost the gradients' graph"
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(p.grad.detach(), g, rtol=0, atol=1e-15)
+    opt.step()
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-14)  # same batch on every rank
     opt.close()
 
 

@@ -96,9 +96,13 @@ def test_gradients_are_views_into_shared_memory():
         assert lo <= p.grad.data_ptr() < hi
     before = [p.grad.data_ptr() for p in model.parameters()]
     opt.step()
-    opt.zero_grad()  # set_to_none=True is ignored: views stay
+    opt.zero_grad(set_to_none=False)  # zeroed in place: the views stay
     assert [p.grad.data_ptr() for p in model.parameters()] == before
     assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+    opt.zero_grad()  # None, as in torch; the next backward lands in the same memory
+    assert all(p.grad is None for p in model.parameters())
+    model(torch.ones(3, 4)).sum().backward()
+    assert [p.grad.data_ptr() for p in model.parameters()] == before
     opt.close()
 
 
