@@ -22,7 +22,8 @@ Subcommands (one module each in this package, listed in :data:`SUBCOMMANDS`):
 - ``gossip``: traffic and accuracy of adaptive gossip;
 - ``lars``: large batches, SGD vs scaled SGD vs LARS;
 - ``faults``: every fault hsgd handles, injected, and how the job ended;
-- ``model``: predicted communication per step on clusters of up to 4096 nodes.
+- ``model``: predicted communication per step on clusters of up to 4096 nodes;
+- ``train``: training steps side by side with torch DDP, torch's model averagers and Horovod.
 
 A subcommand module has a docstring (its ``--help``: what is measured and
 how), ``add_arguments(parser)`` and ``run(args, extra) -> Result``
@@ -49,4 +50,5 @@ SUBCOMMANDS = (
     "lars",
     "faults",
     "model",
+    "train",
 )

@@ -58,6 +58,11 @@ SMOKE = {
               "| fastest sync |",
               lambda raw: [*raw["calibration"]["level1"], *raw["calibration"]["mpi"],
                            *(t for row in raw["validation"] for t in row["times"].values())], 2),
+    "train": (["--ranks", "2", "--workloads", "cnn", "--steps", "1", "--repeats", "2", "--warmup", "0",
+               "--cnn-batch", "8"],
+              "| ranks | batch/rank | no comm | hsgd | hsgd leader 2n | hsgd sharded 2n | DDP | DDP bucket view "
+              "| Horovod | hsgd samples/s | DDP/hsgd | DDP bucket view/hsgd |",
+              lambda raw: [*raw[0]["times"].values(), raw[0]["average"]], 2),
 }
 
 
@@ -92,6 +97,12 @@ def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, ca
     if name == "faults":  # the row says what happened, and the job left nothing behind
         (row,) = record["raw"]
         assert row["exit"] != 0 and "a bug on rank 1" in row["said"] and row["left"] == [], row
+    if name == "train":  # every method ran, side by side in one job
+        (row,) = record["raw"]
+        want = {"no comm", "hsgd", "hsgd leader 2n", "hsgd sharded 2n", "DDP", "DDP bucket view", "hsgd local",
+                "torch periodic", "hsgd local 2n", "torch hierarchical"}
+        assert want <= set(row["times"]), row["times"].keys()
+        assert ("Horovod" in row["times"]) != any("Horovod: skipped" in n for n in row["skipped"]), row["skipped"]
     if name == "model":  # 4 configurations, 3 strategies each, and hsgd counted the bytes the model counts
         rows = record["tables"][2]["rows"]
         assert len(rows) == 12 and all(r[-1] in ("yes", "-") for r in rows), rows
@@ -119,6 +130,7 @@ def test_model_predicts_without_measuring_and_draws(tmp_path):
     (["io", "--gib", "0.0001", "--ranks", "2"], "argument --gib: a 3x32x32 f32 file of 0.0001 GiB holds 8 samples"),
     (["lars", "--runs", "sgd-512"], "argument --runs: invalid choice: 'sgd-512'"),
     (["model", "--gossip-rate", "2"], "argument --gossip-rate: 2 is a fraction of the rounds"),
+    (["train", "--period", "3"], "argument --period: 3 is odd"),
     (["nosuch"], "argument SUBCOMMAND: invalid choice: 'nosuch'"),
 ])
 def test_a_bad_option_gives_one_error_and_exit_2(args, message):
