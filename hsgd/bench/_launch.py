@@ -25,13 +25,15 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["mpiexec", "mpi_flavour", "mpi_command", "mpi_env", "run_job", "run_workers"]
+__all__ = ["mpiexec", "mpi_flavour", "mpi_command", "mpi_env", "run_job", "run_workers", "run_per_rank_count",
+           "free_port"]
 
 
 def mpiexec() -> str:
@@ -139,3 +141,26 @@ def run_workers(subcommand: str, ranks: int, argv: Sequence[str], timeout: Optio
             raise SystemExit(f"hsgd.bench {subcommand}: the job on {ranks} ranks failed "
                              f"(exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}")
         return json.loads(out.read_text())
+
+
+def run_per_rank_count(subcommand: str, args, timeout: Optional[float] = None, gloo: bool = False,
+                       drop_env: Sequence[str] = ()) -> list:
+    """:func:`run_workers` once for each rank count in ``args.ranks``, progress on stderr; the
+    rows the jobs returned, in order. ``gloo``: each job gets a free TCP port (``--port``) on
+    which its ranks start ``torch.distributed``."""
+    from ._harness import Progress
+
+    rows = []
+    with Progress(len(args.ranks), f"hsgd.bench {subcommand}", args.progress) as progress:
+        for ranks in args.ranks:
+            port = ["--port", str(free_port())] if gloo else []
+            rows += run_workers(subcommand, ranks, [*args._argv, *port], timeout=timeout, drop_env=drop_env)
+            progress.step(f"{ranks} ranks")
+    return rows
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
-from ._harness import Progress, Result, Table, add_repeat_options, clock, int_at_least, median, positive_float, repeat
-from ._launch import run_workers
+from ._harness import Result, Table, add_repeat_options, clock, int_at_least, median, positive_float, repeat
+from ._launch import run_per_rank_count
 
 METHODS = ("hsgd", "hsgd 2-level", "MPI", "gloo")
 COLUMNS = ("ranks", "floats", "hsgd ms", "hsgd 2-level ms", "MPI ms", "gloo ms", "MPI/hsgd", "gloo/hsgd",
@@ -46,12 +45,7 @@ def add_arguments(p) -> None:
 
 
 def run(args, extra) -> Result:
-    rows = []
-    with Progress(len(args.ranks), "hsgd.bench allreduce", args.progress) as progress:
-        for ranks in args.ranks:
-            rows += run_workers("allreduce", ranks, [*args._argv, "--port", str(_free_port())],
-                                timeout=1800, drop_env=["HSGD_RANKS_PER_NODE"])
-            progress.step(f"{ranks} ranks")
+    rows = run_per_rank_count("allreduce", args, timeout=1800, gloo=True, drop_env=["HSGD_RANKS_PER_NODE"])
     title = (f"median of {args.repeats} repeats after {args.warmup} warm-up (slowest rank), float32, "
              f"{os.cpu_count()} cores")
     return Result([Table(COLUMNS, [_row(r) for r in rows], title)], rows)
@@ -64,12 +58,6 @@ def _row(r):
     two = ms(med["hsgd 2-level"]) if "hsgd 2-level" in med else "-"
     return [r["ranks"], f"{r['numel'] / 1e6:g}M", ms(med["hsgd"]), two, ms(med["MPI"]), ms(med["gloo"]),
             f"{med['MPI'] / med['hsgd']:.1f}x", f"{med['gloo'] / med['hsgd']:.1f}x", ms(copy), ms(add)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed(comm, fn, args):

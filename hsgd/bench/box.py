@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import time
 
-from ._harness import Progress, Result, Table, add_repeat_options, int_at_least, median, positive_float, repeat
-from ._launch import run_workers
+from ._harness import Result, Table, add_repeat_options, int_at_least, median, positive_float, repeat
+from ._launch import run_per_rank_count
 
 METHODS = ("PS", "box", "box, all work")
 COLUMNS = ("ranks", "floats", "PS", "box", "box, all work", "box/PS", "all work/PS")
@@ -46,11 +46,7 @@ def add_arguments(p) -> None:
 
 
 def run(args, extra) -> Result:
-    rows = []
-    with Progress(len(args.ranks), "hsgd.bench box", args.progress) as progress:
-        for ranks in args.ranks:
-            rows += run_workers("box", ranks, args._argv, timeout=3600)
-            progress.step(f"{ranks} ranks")
+    rows = run_per_rank_count("box", args, timeout=3600)
     table = Table(COLUMNS, title=f"updates/s summed over workers, median of {args.repeats} runs of "
                   f"{args.seconds:g} s after {args.warmup} warm-up")
     for row in rows:

@@ -52,8 +52,8 @@ import os
 import time
 from collections import OrderedDict
 
-from ._harness import Progress, Result, Table, add_repeat_options, int_at_least, median
-from ._launch import run_workers
+from ._harness import Result, Table, add_repeat_options, int_at_least, median
+from ._launch import run_per_rank_count
 
 WORKLOADS = ("mlp", "cnn")
 SYNC = ("no comm", "hsgd", "hsgd leader 2n", "hsgd sharded 2n", "DDP", "DDP bucket view", "Horovod")
@@ -84,14 +84,7 @@ def check(args, extra, parser) -> None:
 
 
 def run(args, extra) -> Result:
-    from .allreduce import _free_port
-
-    rows = []
-    with Progress(len(args.ranks), "hsgd.bench train", args.progress) as progress:
-        for ranks in args.ranks:
-            rows += run_workers("train", ranks, [*args._argv, "--port", str(_free_port())],
-                                timeout=3600, drop_env=["HSGD_RANKS_PER_NODE"])
-            progress.step(f"{ranks} ranks")
+    rows = run_per_rank_count("train", args, timeout=3600, gloo=True, drop_env=["HSGD_RANKS_PER_NODE"])
     return Result(_tables(rows, args), rows)
 
 
