@@ -4,7 +4,9 @@
 shared memory and across nodes with MPI, then runs the inner step. With
 ``k`` ranks on one node this is ``k``-rank synchronous SGD, bit for bit up to
 summation order. The gradients *are* views into this rank's slot of the
-shared window, so backward writes them straight into shared memory.
+shared window: after ``zero_grad()`` they are ``None``, and backward's
+gradient is copied once into the slot by a hook on each parameter's gradient
+accumulator (:mod:`hsgd._engine.binding`).
 
 Gradient accumulation needs nothing special: backward never communicates, so
 call ``backward()`` several times and ``step()`` once. With
