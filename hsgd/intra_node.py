@@ -114,6 +114,10 @@ class SharedSlots:
             self._slots = [self._map_slot(r) for r in range(self.local_size)]
             # One passive epoch for the window's life; fence() syncs inside it.
             self.win.Lock_all(MPI.MODE_NOCHECK)
+            # MPI does not zero a new window (MPICH mallocs it when the node has one rank): the
+            # padding between tensors is averaged too, and must not hold NaN bit patterns.
+            for view in self._slots[self.local_rank]:
+                view.zero_()
         except BaseException:
             self.win.Free()
             raise

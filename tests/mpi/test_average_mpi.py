@@ -120,3 +120,17 @@ def test_use_after_close_raises(comm):
     with pytest.raises(RuntimeError, match="closed"):
         avg.average()
     topo.close()
+
+
+@pytest.mark.parametrize("rpn", [1, None])
+def test_a_new_window_is_zero_even_where_freed_memory_held_nan(comm, rpn):
+    """MPI does not zero a new window (MPICH mallocs a one-rank node's); the padding between
+    tensors is averaged too, so a reused block's NaN must not survive into the next window."""
+    layout = Layout([(torch.float32, 1000), (torch.float32, 3)])  # padding between the two
+    with Topology.from_comm(comm, ranks_per_node=rpn) as topo:
+        for _ in range(3):
+            avg = HierarchicalAverager(topo, layout)
+            whole = avg.own(0)
+            assert whole.numel() > 1003 and bool((whole == 0).all()), "a new window held garbage"
+            whole.fill_(float("nan"))
+            avg.close()
