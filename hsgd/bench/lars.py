@@ -2,24 +2,31 @@
 
 One command (each run is ``mpiexec -n RANKS python -m hsgd.train``)::
 
-    python -m hsgd.bench lars                         # 4 ranks, 50 000 samples, 30 epochs
-    python -m hsgd.bench lars --epochs 10 --lars-lr 4
+    python -m hsgd.bench lars                         # 4 ranks, 50 000 samples
+    python -m hsgd.bench lars --epochs-4096 60 --lars-warmup 10
 
 All runs train the MNIST-1D CNN on the same generated data (MNIST-1D with
-``--samples`` training samples, test split 1/4 of that) for the same number
-of epochs, with warm-up then poly decay (power 2) of the learning rate:
+``--samples`` training samples, test split 1/4 of that), with warm-up then
+poly decay (power 2) of the learning rate:
 
-* ``sgd-256``: momentum SGD, global batch 256, lr ``--sgd-lr``, 1 warm-up epoch;
+* ``sgd-256``: momentum SGD, global batch 256, lr ``--sgd-lr``, 1 warm-up
+  epoch, ``--epochs`` epochs;
 * ``sgd-4096-scaled``: the same at batch 4096 with the linear scaling rule
-  (lr x 4096/256) and a 5-epoch warm-up (Goyal et al. 2017);
-* ``lars-4096``: LARS (trust coefficient 0.001, weight decay 5e-4) at batch
-  4096, lr ``--lars-lr``, 5-epoch warm-up (You et al. 2017).
+  (lr x 4096/256) and a 5-epoch warm-up (Goyal et al. 2017), ``--epochs-4096``
+  epochs;
+* ``lars-4096``: LARS (You et al. 2017) at batch 4096 for ``--epochs-4096``
+  epochs: lr ``--lars-lr``, trust coefficient ``--trust-coefficient``,
+  weight decay ``--lars-weight-decay``, ``--lars-warmup`` warm-up epochs.
+  The defaults are those the search in docs/benchmarks.md found. LARS gives
+  biases (1-D tensors) the plain global lr, so a large lr with a small trust
+  coefficient destabilizes them: keep lr small and raise the coefficient.
 
 One run each (``--runs`` picks some), after ``--warmup`` untimed one-epoch
 runs of the first (0 by default: the first run generates the data set
-unless ``--cache-dir`` holds it). The table gives final and best test accuracy,
-final training loss and wall time (start-up included); the notes give every
-run's command.
+unless ``--cache-dir`` holds it). The table gives epochs, optimizer steps
+(each one gradient allreduce), final and best test accuracy, final training
+loss and wall time (start-up and the per-epoch evaluation included); the
+notes give every run's command.
 """
 
 from __future__ import annotations
@@ -31,31 +38,57 @@ from ._harness import Progress, Result, Table, int_at_least, positive_float
 from ._training import Runs
 
 RUNS = ("sgd-256", "sgd-4096-scaled", "lars-4096")
-COLUMNS = ("run", "final test acc", "best test acc", "final train loss", "wall s")
+COLUMNS = ("run", "epochs", "steps", "final test acc", "best test acc", "final train loss", "wall s")
+# The LARS settings found by the search in docs/benchmarks.md ("Large batches").
+EPOCHS_4096, LARS_LR, TRUST, LARS_WARMUP, LARS_WD = 30, 0.5, 0.08, 5.0, 0.0
+SCALED_WARMUP = 5  # epochs of sgd-4096-scaled's warm-up (Goyal et al.)
 
 
 def add_arguments(p) -> None:
     p.add_argument("--ranks", type=int_at_least(1), default=4, help="ranks of every run (4)")
-    p.add_argument("--epochs", type=int_at_least(1), default=30, help="epochs of every run (30)")
+    p.add_argument("--epochs", type=int_at_least(1), default=30, help="epochs of sgd-256 (30)")
+    p.add_argument("--epochs-4096", type=int_at_least(1), default=EPOCHS_4096, metavar="N",
+                   help=f"epochs of the batch-4096 runs ({EPOCHS_4096})")
     p.add_argument("--samples", type=int_at_least(1), default=50000, help="MNIST-1D training samples (50000)")
     p.add_argument("--sgd-lr", type=positive_float, default=0.05, help="SGD lr at batch 256 (0.05)")
-    p.add_argument("--lars-lr", type=positive_float, default=10.0, help="LARS global lr at batch 4096 (10)")
+    p.add_argument("--lars-lr", type=positive_float, default=LARS_LR, metavar="LR",
+                   help=f"LARS global lr at batch 4096 ({LARS_LR:g})")
+    p.add_argument("--trust-coefficient", type=positive_float, default=TRUST, metavar="ETA",
+                   help=f"LARS trust coefficient eta ({TRUST:g})")
+    p.add_argument("--lars-warmup", type=positive_float, default=LARS_WARMUP, metavar="EPOCHS",
+                   help=f"LARS warm-up epochs ({LARS_WARMUP:g})")
+    p.add_argument("--lars-weight-decay", type=float, default=LARS_WD, metavar="WD",
+                   help=f"LARS weight decay ({LARS_WD:g})")
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="which runs (all three)")
     p.add_argument("--warmup", type=int_at_least(0), default=0, help="untimed one-epoch runs first (0)")
     p.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "hsgd-cache"),
                    help="where MNIST-1D is generated and kept ($TMPDIR/hsgd-cache)")
 
 
+def check(args, extra, parser) -> None:
+    """parser.error() on warm-ups that do not fit in their runs (before anything is launched)."""
+    if "lars-4096" in args.runs and args.lars_warmup >= args.epochs_4096:
+        parser.error(f"argument --lars-warmup: {args.lars_warmup:g} warm-up epochs do not fit in "
+                     f"--epochs-4096 {args.epochs_4096}: use fewer, or more epochs")
+    if "sgd-4096-scaled" in args.runs and SCALED_WARMUP >= args.epochs_4096:
+        parser.error(f"argument --epochs-4096: sgd-4096-scaled warms up for {SCALED_WARMUP} epochs; "
+                     f"use more than {SCALED_WARMUP}")
+    if args.lars_weight_decay < 0:
+        parser.error(f"argument --lars-weight-decay: {args.lars_weight_decay:g} is negative: use 0 or more")
+
+
 def train_options(args) -> dict:
-    base = ["--model", "cnn", "--epochs", str(args.epochs), "--mnist1d-samples", str(args.samples),
-            "--schedule", "poly", "--momentum", "0.9"]
+    base = ["--model", "cnn", "--mnist1d-samples", str(args.samples), "--schedule", "poly", "--momentum", "0.9"]
+    large = base + ["--epochs", str(args.epochs_4096), "--batch-size", "4096"]
     return {
-        "sgd-256": base + ["--optimizer", "sgd", "--batch-size", "256", "--lr", str(args.sgd_lr),
-                           "--warmup-epochs", "1"],
-        "sgd-4096-scaled": base + ["--optimizer", "sgd", "--batch-size", "4096", "--lr", str(args.sgd_lr),
-                                   "--scale-lr", "--base-batch", "256", "--warmup-epochs", "5"],
-        "lars-4096": base + ["--optimizer", "lars", "--batch-size", "4096", "--lr", str(args.lars_lr),
-                             "--weight-decay", "5e-4", "--warmup-epochs", "5"],
+        "sgd-256": base + ["--epochs", str(args.epochs), "--optimizer", "sgd", "--batch-size", "256",
+                           "--lr", str(args.sgd_lr), "--warmup-epochs", "1"],
+        "sgd-4096-scaled": large + ["--optimizer", "sgd", "--lr", str(args.sgd_lr), "--scale-lr",
+                                    "--base-batch", "256", "--warmup-epochs", str(SCALED_WARMUP)],
+        "lars-4096": large + ["--optimizer", "lars", "--lr", f"{args.lars_lr:g}",
+                              "--trust-coefficient", f"{args.trust_coefficient:g}",
+                              "--weight-decay", f"{args.lars_weight_decay:g}",
+                              "--warmup-epochs", f"{args.lars_warmup:g}"],
     }
 
 
@@ -68,12 +101,14 @@ def run(args, extra) -> Result:
                      warmup_options=options[args.runs[0]])
         for name in args.runs:
             epochs, seconds = train(*options[name])
-            rows.append({"run": name, "final": epochs[-1]["test_acc"], "best": max(e["test_acc"] for e in epochs),
+            rows.append({"run": name, "epochs": len(epochs), "steps": epochs[-1]["step"],
+                         "final": epochs[-1]["test_acc"], "best": max(e["test_acc"] for e in epochs),
                          "train_loss": epochs[-1]["train_loss"], "seconds": seconds,
                          "cmd": " ".join(train.commands[-1][1:])})
-    table = Table(COLUMNS, title=f"MNIST-1D, {args.samples} training samples, CNN, {args.ranks} ranks, "
-                  f"{args.epochs} epochs", notes=["commands:", *(f"    {r['cmd']}" for r in rows)])
+    table = Table(COLUMNS, title=f"MNIST-1D, {args.samples} training samples, CNN, {args.ranks} ranks "
+                  "(steps: optimizer steps, one gradient allreduce each)",
+                  notes=["commands:", *(f"    {r['cmd']}" for r in rows)])
     for r in rows:
-        table.rows.append([r["run"], f"{100 * r['final']:.2f}%", f"{100 * r['best']:.2f}%", f"{r['train_loss']:.4f}",
-                           f"{r['seconds']:.0f}"])
+        table.rows.append([r["run"], str(r["epochs"]), str(r["steps"]), f"{100 * r['final']:.2f}%",
+                           f"{100 * r['best']:.2f}%", f"{r['train_loss']:.4f}", f"{r['seconds']:.0f}"])
     return Result([table], rows)
