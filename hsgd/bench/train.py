@@ -8,8 +8,9 @@ One command (it launches ``mpiexec`` itself, one job per rank count)::
 In each job, for each workload, every method trains its own copy of the
 same model (same seed, so the same start) on the same synthetic batches
 (``--batches`` per rank, drawn once, cycled) with the same per-rank batch
-and the same optimizer (SGD, lr 0.01, momentum 0.9). Torch uses the
-trainer's thread count (``OMP_NUM_THREADS``, else the cores over the ranks).
+and the same optimizer (SGD, lr 0.01, momentum 0.9). Every rank runs torch
+with one thread (the launcher sets ``OMP_NUM_THREADS=1``, as for the other
+benchmarks); the JSON records it.
 
 Workloads: ``mlp``, communication-bound: the MNIST-1D MLP widened to
 2 950 hidden units (8.85M parameters), ``--mlp-batch`` 32 samples per rank;
@@ -237,7 +238,7 @@ def _horovod_optimizer(hvd, inner, model):
     return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
 
 
-def _batches(workload, count, per_rank, rank):
+def _batches(count, per_rank, rank):
     import torch
 
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -268,7 +269,7 @@ def worker(args):
     for workload in args.workloads:
         per_rank = args.mlp_batch if workload == "mlp" else args.cnn_batch
         skipped = []
-        methods = _methods(workload, _batches(workload, args.batches, per_rank, comm.rank), comm, topologies,
+        methods = _methods(workload, _batches(args.batches, per_rank, comm.rank), comm, topologies,
                            args.period, args.local, skipped)
         names = list(methods)
         times = {name: [] for name in names}
