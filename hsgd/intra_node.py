@@ -32,7 +32,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -140,9 +140,11 @@ class SharedSlots:
     def own(self, segment: int) -> torch.Tensor:
         return self.slot(self.local_rank, segment)
 
-    def my_slice(self, segment: int) -> Tuple[int, int]:
-        """The ``[lo, hi)`` of ``segment`` this local rank reduces."""
-        return slice_bounds(self.layout.numels[segment], self.local_size, self.local_rank)
+    def my_slice(self, segment: int, span: Optional[Tuple[int, int]] = None) -> Tuple[int, int]:
+        """The ``[lo, hi)`` of ``segment`` (or of its elements ``span``) this local rank reduces."""
+        start, stop = (0, self.layout.numels[segment]) if span is None else span
+        lo, hi = slice_bounds(stop - start, self.local_size, self.local_rank)
+        return start + lo, start + hi
 
     def fence(self) -> None:
         """Order all slot stores before this call against all loads after it."""
@@ -151,24 +153,26 @@ class SharedSlots:
         self.comm.Barrier()    # wait until every local rank has published
         self.win.Sync()        # observe the other ranks' stores
 
-    def _chunks(self, segment: int):
-        lo, hi = self.my_slice(segment)
+    def _chunks(self, lo: int, hi: int, segment: int):
         step = max(1, _CHUNK_BYTES // self._slots[0][segment].element_size())
         for start in range(lo, hi, step):
             yield slice(start, min(hi, start + step))
 
-    def _pass(self, reduce: bool, scale: float, spread: bool) -> int:
+    def _pass(self, reduce: bool, scale: float, spread: bool, span=None) -> int:
         """One pass over this rank's slice, chunk by chunk, on slot 0's chunk:
         add the other slots into it (``reduce``), scale it, copy it to the
-        other slots (``spread``). Returns the bytes copied between slots
-        (see :mod:`hsgd._engine.traffic`)."""
+        other slots (``spread``). ``span``: ``(segment, lo, hi)``, only those
+        elements (a bucket); default every segment whole. Returns the bytes
+        copied between slots (see :mod:`hsgd._engine.traffic`)."""
         moved = 0
-        for seg in range(len(self.layout.dtypes)):
-            lo, hi = self.my_slice(seg)
+        spans = [(seg, None) for seg in range(len(self.layout.dtypes))] if span is None \
+            else [(span[0], span[1:])]
+        for seg, elements in spans:
+            lo, hi = self.my_slice(seg, elements)
             copies = (self.local_size - 1) * (int(reduce) + int(spread))
             moved += copies * (hi - lo) * self._slots[0][seg].element_size()
             slots = [s[seg] for s in self._slots]
-            for sl in self._chunks(seg):
+            for sl in self._chunks(lo, hi, seg):
                 acc = slots[0][sl]
                 if reduce:
                     for other in slots[1:]:
@@ -180,17 +184,18 @@ class SharedSlots:
                         other[sl].copy_(acc)
         return moved
 
-    def reduce_broadcast(self, scale: float) -> int:
-        """Slice ``i`` of every slot := ``scale`` * sum over slots (one node). Returns bytes moved."""
-        return self._pass(reduce=True, scale=scale, spread=True)
+    def reduce_broadcast(self, scale: float, span=None) -> int:
+        """Slice ``i`` of every slot := ``scale`` * sum over slots (one node). Returns bytes moved.
+        ``span``: ``(segment, lo, hi)``, only those elements, cut in slices alike (a bucket)."""
+        return self._pass(reduce=True, scale=scale, spread=True, span=span)
 
-    def reduce_to_first(self) -> int:
+    def reduce_to_first(self, span=None) -> int:
         """Slice ``i`` of slot 0 := sum of slice ``i`` over all slots. Returns bytes moved."""
-        return self._pass(reduce=True, scale=1.0, spread=False)
+        return self._pass(reduce=True, scale=1.0, spread=False, span=span)
 
-    def broadcast_from_first(self, scale: float) -> int:
+    def broadcast_from_first(self, scale: float, span=None) -> int:
         """Slice ``i`` of every slot := ``scale`` * slice ``i`` of slot 0. Returns bytes moved."""
-        return self._pass(reduce=False, scale=scale, spread=True)
+        return self._pass(reduce=False, scale=scale, spread=True, span=span)
 
     @property
     def closed(self) -> bool:

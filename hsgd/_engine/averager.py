@@ -78,13 +78,14 @@ class HierarchicalAverager:
             raise RuntimeError("HierarchicalAverager is closed; its shared window was freed")
         topo = self.topology
         if level == "node" or topo.num_nodes == 1:
-            self._timed("intra", self._node_mean, scale)
+            self.timed("intra", self._node_mean, scale)
             return
-        self._timed("intra", self._reduce_to_leader)
-        self._timed("inter", self._across_nodes)
-        self._timed("intra", self._spread, scale / topo.size)
+        self.timed("intra", self._reduce_to_leader)
+        self.timed("inter", self._across_nodes)
+        self.timed("intra", self._spread, scale / topo.size)
 
-    def _timed(self, key: str, fn, *args) -> None:
+    def timed(self, key: str, fn, *args) -> None:
+        """Run ``fn(*args)``, reporting its time as phase ``key`` to :attr:`on_phase`."""
         start = time.perf_counter()
         fn(*args)
         if self.on_phase is not None:
@@ -92,28 +93,49 @@ class HierarchicalAverager:
 
     def _node_mean(self, scale: float) -> None:
         if self.slots.local_size == 1:
-            if scale != 1.0:
-                for seg in range(len(self.layout.dtypes)):
-                    self.slots.own(seg).mul_(scale)
+            self.node_mean_of(None, scale)  # no other rank to wait for
             return
         self.slots.fence()   # every local rank has written its slot
-        self.traffic.add_intra(self.slots.reduce_broadcast(scale / self.slots.local_size))
+        self.node_mean_of(None, scale)
         self.slots.fence()   # every slot holds the mean before anyone reuses it
 
     def _reduce_to_leader(self) -> None:
         self.slots.fence()   # every local rank has written its slot
-        self.traffic.add_intra(self.slots.reduce_to_first())
+        self.reduce_of(None)
         self.slots.fence()   # slot 0 holds the complete node sum
 
     def _across_nodes(self) -> None:
         for seg in range(len(self.layout.dtypes)):
-            lo, hi = self.slots.my_slice(seg)
-            self.traffic.add_inter(self.inter.allreduce_(self.slots.slot(0, seg), lo, hi))
+            self.across_of((seg, 0, self.layout.numels[seg]))
 
     def _spread(self, scale: float) -> None:
         self.slots.fence()   # the global sum in slot 0 is complete on this node
-        self.traffic.add_intra(self.slots.broadcast_from_first(scale))
+        self.spread_of(None, scale)
         self.slots.fence()   # every slot holds the mean before anyone reuses it
+
+    # --- the phases on their own, on ``span`` = ``(segment, lo, hi)`` (a bucket) or ``None``
+    # (every segment whole). No fences: the caller orders the ranks (average() above, or the
+    # per-bucket flags of hsgd._engine.overlap).
+    def node_mean_of(self, span, scale: float) -> None:
+        """This rank's slice of ``span`` in every slot := ``scale`` / local size * their sum."""
+        if self.slots.local_size == 1 and scale == 1.0:
+            return
+        self.traffic.add_intra(self.slots.reduce_broadcast(scale / self.slots.local_size, span))
+
+    def reduce_of(self, span) -> None:
+        """This rank's slice of ``span`` in slot 0 := its sum over the node's slots."""
+        self.traffic.add_intra(self.slots.reduce_to_first(span))
+
+    def across_of(self, span) -> None:
+        """Sum ``span`` of slot 0 over the nodes (the whole span by the leader, or this rank's
+        slice of it: the level-2 strategy's part)."""
+        seg, lo, hi = span
+        mine_lo, mine_hi = self.slots.my_slice(seg, (lo, hi))
+        self.traffic.add_inter(self.inter.allreduce_(self.slots.slot(0, seg)[lo:hi], mine_lo - lo, mine_hi - lo))
+
+    def spread_of(self, span, scale: float) -> None:
+        """This rank's slice of ``span`` in every slot := ``scale`` * that of slot 0."""
+        self.traffic.add_intra(self.slots.broadcast_from_first(scale, span))
 
     def close(self) -> None:
         """Free the level-2 communicator and the shared window. Collective."""

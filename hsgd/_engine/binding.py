@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -147,10 +147,12 @@ class SlotBinding:
         else:
             p.data = view
 
-    def gather(self) -> None:
-        """Make the slot hold every parameter's current gradient (or value)."""
+    def gather(self, indices: Optional[Sequence[int]] = None) -> None:
+        """Make the slot hold every parameter's current gradient (or value); ``indices``: only
+        those parameters' (a bucket, :mod:`hsgd._engine.overlap`)."""
         with torch.no_grad():
-            for i, (p, view, zc) in enumerate(zip(self.params, self.views, self.zero_copy)):
+            for i in range(len(self.params)) if indices is None else indices:
+                p, view, zc = self.params[i], self.views[i], self.zero_copy[i]
                 cur, used = self._current(p), False
                 if cur is None:
                     view.zero_()
@@ -163,7 +165,7 @@ class SlotBinding:
                     self._attach(p, view)
                 if self.flags is not None:
                     self.flags[i] = 1.0 if used else 0.0
-            self._versions = [view._version for view in self.views]
+                self._versions[i] = view._version
 
     def scatter(self) -> None:
         """After averaging: give staged parameters the result, unused ones ``None``."""

@@ -8,6 +8,7 @@ averages until the interrupted epoch ends, then batches are equal again (without
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -74,7 +75,8 @@ def _calibration_work(model, loader, opt, device, comm, straggle):
     def work(b: int) -> None:
         rng, buffers = torch.get_rng_state(), [t.clone() for t in model.buffers()]
         start = time.perf_counter()
-        torch.nn.functional.cross_entropy(model(x[:b]), y[:b]).backward()
+        with getattr(opt, "no_sync", contextlib.nullcontext)():  # overlap=True: no averaging in backward
+            torch.nn.functional.cross_entropy(model(x[:b]), y[:b]).backward()
         if straggle is not None:
             straggle(time.perf_counter() - start)
         opt.zero_grad()

@@ -95,6 +95,9 @@ class TrainConfig:
     compression: str = _opt("none", "none | fp16 | bf16: the inter-node sums cross nodes in 16 bits, "
                                     "halving inter-node bytes; nothing changes inside a node "
                                     "(--sync sync | local)", choices=list(COMPRESSIONS))
+    overlap: bool = _opt(False, "--sync sync: average the gradients in buckets while backward still runs "
+                                "(HierarchicalSGD(overlap=True)); docs/benchmarks.md says where it pays")
+    bucket_cap_mb: float = _opt(25.0, "--overlap: bucket size in MiB (the first bucket is 1 MiB at most)")
     ranks_per_node: Optional[int] = _opt(None, "virtual node size (env HSGD_RANKS_PER_NODE); default: physical nodes")
     # --- output ---
     run_dir: Optional[str] = _opt(None, "where config.json and metrics.jsonl go; default runs/<time>")
@@ -127,7 +130,7 @@ class TrainConfig:
                     "log_every": self.log_every, "base_batch": self.base_batch,
                     "intra_period": self.intra_period, "inter_period": self.inter_period, "tau": self.tau,
                     "mnist1d_samples": self.mnist1d_samples, "power": self.power,
-                    "keep_checkpoints": self.keep_checkpoints}
+                    "keep_checkpoints": self.keep_checkpoints, "bucket_cap_mb": self.bucket_cap_mb}
         for name, value in positive.items():
             if not value > 0:
                 return f"--{name.replace('_', '-')} must be positive, got {value}"

@@ -21,8 +21,11 @@ Methods, synchronous (gradients averaged every step):
 
 * ``no comm``: the inner optimizer alone, no communication (the floor);
 * ``hsgd``: :class:`hsgd.HierarchicalSGD` on one node (every rank here);
+* ``hsgd overlap``: the same with ``overlap=True`` (buckets averaged during
+  backward, default ``bucket_cap_mb``);
 * ``hsgd leader 2n`` / ``hsgd sharded 2n``: the same on 2 virtual nodes of
-  ranks/2, with each inter-node strategy (even rank counts);
+  ranks/2, with each inter-node strategy (even rank counts), and
+  ``hsgd overlap sharded 2n``;
 * ``DDP`` / ``DDP bucket view``: ``torch.nn.parallel.DistributedDataParallel``
   on gloo, default and with ``gradient_as_bucket_view=True``;
 * ``Horovod``: ``hvd.DistributedOptimizer``, when ``horovod.torch`` imports
@@ -57,7 +60,8 @@ from ._harness import Result, Table, add_repeat_options, int_at_least, median
 from ._launch import run_per_rank_count
 
 WORKLOADS = ("mlp", "cnn")
-SYNC = ("no comm", "hsgd", "hsgd leader 2n", "hsgd sharded 2n", "DDP", "DDP bucket view", "Horovod")
+SYNC = ("no comm", "hsgd", "hsgd overlap", "hsgd leader 2n", "hsgd sharded 2n", "hsgd overlap sharded 2n",
+        "DDP", "DDP bucket view", "Horovod")
 LOCAL = ("hsgd local", "torch periodic", "hsgd local 2n", "torch hierarchical")
 MLP_HIDDEN = 2950  # 40*2950 + 2950*2950 + 2950*10 weights: 8.85M parameters with the biases
 SAMPLE, CLASSES = (40,), 10  # MNIST-1D
@@ -108,15 +112,18 @@ def _tables(rows, args):
         if not mine:
             continue
         step = {id(r): {k: (median(v) / args.steps if v else None) for k, v in r["times"].items()} for r in mine}
-        sync = Table(["ranks", "batch/rank", *SYNC, "hsgd samples/s", "DDP/hsgd", "DDP bucket view/hsgd"],
+        sync = Table(["ranks", "batch/rank", *SYNC, "hsgd samples/s", "DDP/hsgd", "DDP bucket view/hsgd",
+                      "hsgd/hsgd overlap"],
                      title=f"{workload}, synchronous SGD: {title}",
                      notes=["DDP/hsgd: DDP's time per step over hsgd's (one node), i.e. hsgd's samples/s "
-                            "over DDP's", *skipped])
+                            "over DDP's; hsgd/hsgd overlap: the gain of overlap=True (above 1: faster)",
+                            *skipped])
         for r in mine:
             t = step[id(r)]
             rate = r["ranks"] * r["batch"] / t["hsgd"]
             sync.rows.append([r["ranks"], r["batch"], *(_ms(t.get(m)) for m in SYNC), f"{rate:.0f}",
-                              _ratio(t.get("DDP"), t["hsgd"]), _ratio(t.get("DDP bucket view"), t["hsgd"])])
+                              _ratio(t.get("DDP"), t["hsgd"]), _ratio(t.get("DDP bucket view"), t["hsgd"]),
+                              _ratio(t["hsgd"], t.get("hsgd overlap"))])
         tables.append(sync)
         if args.local:
             local = Table(["ranks", *LOCAL, "torch/hsgd", "torch/hsgd 2n"],
@@ -196,10 +203,14 @@ def _methods(workload, batches, comm, topologies, period, local: bool, skipped: 
     made = OrderedDict()
     made["no comm"] = _Method(workload, batches, plain)
     made["hsgd"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(o, m, topology=topologies[1]))
+    made["hsgd overlap"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+        o, m, topology=topologies[1], overlap=True))
     if 2 in topologies:
         for how in ("leader", "sharded"):
             made[f"hsgd {how} 2n"] = _Method(workload, batches, lambda o, m, how=how: HierarchicalSGD(
                 o, m, topology=topologies[2], inter_node=how))
+        made["hsgd overlap sharded 2n"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+            o, m, topology=topologies[2], inter_node="sharded", overlap=True))
     for name, view in (("DDP", False), ("DDP bucket view", True)):
         made[name] = _Method(workload, batches, plain, model_wrap=lambda m, view=view: DistributedDataParallel(
             m, gradient_as_bucket_view=view))

@@ -9,7 +9,10 @@ gradient is copied once into the slot by a hook on each parameter's gradient
 accumulator (:mod:`hsgd._engine.binding`).
 
 Gradient accumulation needs nothing special: backward never communicates, so
-call ``backward()`` several times and ``step()`` once. With
+call ``backward()`` several times and ``step()`` once. With ``overlap=True``
+backward does communicate: each bucket of gradients is averaged as soon as
+every rank's backward produced it (:mod:`hsgd._engine.overlap`), so pass
+``backward_passes_per_step`` or run the earlier passes inside ``no_sync()``. With
 ``backward_passes_per_step=N`` the summed gradient is also divided by ``N``
 (folded into the averaging), giving the mean over all ``N * world`` micro-batches.
 
@@ -45,14 +48,20 @@ averages::
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import warnings
 
 import torch
 
 from .._engine.checks import check_int
 from .._engine.mode import SyncMode
+from .._engine.overlap import BackwardOverlap
+from ..errors import InputTypeError, InputValueError
 
-__all__ = ["HierarchicalSGD"]
+__all__ = ["HierarchicalSGD", "DEFAULT_BUCKET_MB"]
+
+DEFAULT_BUCKET_MB = 25.0  # as DDP's bucket_cap_mb
 
 
 class HierarchicalSGD(SyncMode):
@@ -60,7 +69,15 @@ class HierarchicalSGD(SyncMode):
 
     Args:
         optimizer, model, topology, inter_node, broadcast: see :class:`~hsgd._engine.mode.SyncMode`.
-        backward_passes_per_step: divide the accumulated gradient by this.
+        backward_passes_per_step: divide the accumulated gradient by this (with ``overlap``,
+            also the backward passes after which a gradient is final).
+        overlap: average the gradients in buckets while backward still runs
+            (:mod:`hsgd._engine.overlap`): the same averages, bit for bit. Backward must then
+            run exactly ``backward_passes_per_step`` times per step (more inside
+            :meth:`no_sync`), gradients must not change between backward and
+            ``synchronize()``, and a ``GradScaler`` is refused. It pays only where averaging
+            can run beside backward (docs/benchmarks.md); on a CPU rank with one core it does not.
+        bucket_cap_mb: bucket size in MiB with ``overlap`` (the first bucket 1 MiB at most).
 
     Construction is collective. It raises the same error on every rank if the
     ranks' models differ (names, shapes, dtypes) or the settings differ.
@@ -69,26 +86,54 @@ class HierarchicalSGD(SyncMode):
     name = "sync"
     bind = "grad"
     balances = True
-    config_fields = ("inter_node", "compression")
+    config_fields = ("inter_node", "compression", "overlap", "bucket_cap_mb")
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
-                 compression=None, backward_passes_per_step=1, broadcast=True, stall_timeout=None,
-                 stall_abort=None):
+                 compression=None, backward_passes_per_step=1, overlap=False, bucket_cap_mb=DEFAULT_BUCKET_MB,
+                 broadcast=True, stall_timeout=None, stall_abort=None):
         self.backward_passes_per_step = backward_passes_per_step
+        self.overlap, self.bucket_cap_mb = overlap, bucket_cap_mb
+        self._overlap = None
         self._synchronized = False
         self._skip = False
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          inter_node=inter_node, compression=compression, broadcast=broadcast,
-                         settings={"backward_passes_per_step": backward_passes_per_step},
+                         settings={"backward_passes_per_step": backward_passes_per_step, "overlap": overlap,
+                                   "bucket_cap_mb": bucket_cap_mb},
                          stall_timeout=stall_timeout, stall_abort=stall_abort)
 
-    def _check(self, backward_passes_per_step) -> None:
+    def _check(self, backward_passes_per_step, overlap, bucket_cap_mb) -> None:
         check_int("backward_passes_per_step", backward_passes_per_step)
+        if not isinstance(overlap, bool):
+            raise InputTypeError(f"overlap must be True or False, got {overlap!r}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real) \
+                or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
+            raise InputValueError(f"Invalid bucket_cap_mb: {bucket_cap_mb!r}; use a number of MiB > 0 "
+                                  f"(default {DEFAULT_BUCKET_MB})")
+
+    def _build(self, params, inter_node) -> None:
+        super()._build(params, inter_node)
+        if self.overlap:
+            try:
+                self._overlap = BackwardOverlap(self.averager, self._binding, self.bucket_cap_mb,
+                                                self.backward_passes_per_step, lambda: self._weight("global"))
+            except BaseException:
+                super()._teardown()
+                raise
+
+    def _teardown(self) -> None:
+        if self._overlap is not None:
+            self._overlap.close()
+            self._overlap = None
+        super()._teardown()
 
     def synchronize(self) -> None:
         """Average the gradients over all ranks now. A second call before ``step()`` does nothing."""
         self._check_open()
         if self._synchronized:
+            return
+        if self._overlap is not None:
+            self._finish_overlap()
             return
         self._binding.gather()
         # batch_shares: the average weights rank r by its batch; under GradScaler.step() each
@@ -100,6 +145,35 @@ class HierarchicalSGD(SyncMode):
             self.averager.average("global", 1.0 / self.backward_passes_per_step)
         self._binding.scatter()
         self._synchronized = True
+
+    def _finish_overlap(self) -> None:
+        """``synchronize()`` with ``overlap=True``: average what backward has not yet, wait for the rest."""
+        with self.stall.waiting(self.num_steps, "synchronize()"):
+            overrun = self._overlap.finish()
+        self._binding.scatter()
+        self._synchronized = True
+        if overrun:
+            raise InputValueError(
+                f"backward() ran more than backward_passes_per_step={self.backward_passes_per_step} times "
+                "before step() with overlap=True: a gradient came after its bucket was averaged, and "
+                "the average misses it. Pass backward_passes_per_step=<backward passes per step>, or "
+                "run the extra passes inside opt.no_sync()")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside this block backward does not start averaging (``overlap=True``): the gradients
+        accumulate on this rank, to be averaged by a backward outside the block or by the next
+        ``synchronize()``/``step()``, as in DDP's ``no_sync()``. Without overlap backward never
+        averages, and this changes nothing."""
+        self._check_open()
+        if self._overlap is None:
+            yield
+            return
+        self._overlap.paused = True
+        try:
+            yield
+        finally:
+            self._overlap.paused = False
 
     def gradients_finite(self) -> bool:
         """Whether every averaged gradient is finite (no NaN or Inf). Call after
@@ -121,6 +195,11 @@ class HierarchicalSGD(SyncMode):
             self._skip = False
 
     def _step(self) -> None:
+        if self._overlap is not None and (hasattr(self, "found_inf") or (self._skip and not self._synchronized)):
+            raise InputValueError(
+                "with overlap=True backward averages the gradients as they come: a GradScaler's loss "
+                "scale is not known yet, and step() inside skip_synchronize() needs synchronize() "
+                "first. Build HierarchicalSGD with overlap=False for these")
         if self._skip and not self._synchronized:
             warnings.warn("step() inside skip_synchronize() without synchronize(): "
                           "each rank steps on its own gradients", stacklevel=3)
@@ -141,5 +220,9 @@ class HierarchicalSGD(SyncMode):
         place, as views into shared memory (for code that writes into ``p.grad`` without a
         backward pass)."""
         self._check_open()
+        if self._overlap is not None and self._overlap.in_flight:
+            # backward ran since the last step, and averaging began on every rank: end it alike
+            with self.stall.waiting(self.num_steps, "zero_grad()"):
+                self._overlap.finish()
         self._synchronized = False
         self._binding.zero_(set_to_none)

@@ -60,8 +60,9 @@ SMOKE = {
                            *(t for row in raw["validation"] for t in row["times"].values())], 2),
     "train": (["--ranks", "2", "--workloads", "cnn", "--steps", "1", "--repeats", "2", "--warmup", "0",
                "--cnn-batch", "8"],
-              "| ranks | batch/rank | no comm | hsgd | hsgd leader 2n | hsgd sharded 2n | DDP | DDP bucket view "
-              "| Horovod | hsgd samples/s | DDP/hsgd | DDP bucket view/hsgd |",
+              "| ranks | batch/rank | no comm | hsgd | hsgd overlap | hsgd leader 2n | hsgd sharded 2n "
+              "| hsgd overlap sharded 2n | DDP | DDP bucket view | Horovod | hsgd samples/s | DDP/hsgd "
+              "| DDP bucket view/hsgd | hsgd/hsgd overlap |",
               lambda raw: [*raw[0]["times"].values(), raw[0]["average"]], 2),
 }
 
@@ -99,7 +100,8 @@ def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, ca
         assert row["exit"] != 0 and "a bug on rank 1" in row["said"] and row["left"] == [], row
     if name == "train":  # every method ran, side by side in one job
         (row,) = record["raw"]
-        want = {"no comm", "hsgd", "hsgd leader 2n", "hsgd sharded 2n", "DDP", "DDP bucket view", "hsgd local",
+        want = {"no comm", "hsgd", "hsgd overlap", "hsgd leader 2n", "hsgd sharded 2n", "hsgd overlap sharded 2n",
+                "DDP", "DDP bucket view", "hsgd local",
                 "torch periodic", "hsgd local 2n", "torch hierarchical"}
         assert want <= set(row["times"]), row["times"].keys()
         assert ("Horovod" in row["times"]) != any("Horovod: skipped" in n for n in row["skipped"]), row["skipped"]

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+from hsgd._engine.binding import SlotBinding
+
 _outcomes = {}  # test id -> "passed" / "skipped", on this rank
 
 
@@ -36,6 +38,15 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture
 def comm():
     return MPI.COMM_WORLD
+
+
+@pytest.fixture(params=["zero_copy", "staged"])
+def binding(request, monkeypatch):
+    """Both ways gradients (or parameters) meet the shared slot: as views into it (CPU
+    tensors) and staged, copied in and out (CUDA tensors; forced here on the CPU)."""
+    if request.param == "staged":
+        monkeypatch.setattr(SlotBinding, "zero_copy_devices", ())
+    return request.param
 
 
 @pytest.fixture(scope="module")

@@ -8,58 +8,12 @@ failed assertion on one rank must abort the job (tests/mpi/conftest.py), not run
 import pytest
 import torch
 from _models import LAYOUTS, fixed_batch, mlp, shard
+from _sgd import OPTIMIZERS, Branchy, assert_params_close, check_binding, reference
 
 from hsgd import HierarchicalLocalSGD, HierarchicalSGD, Topology, broadcast_parameters
-from hsgd._engine.binding import SlotBinding
 from hsgd.replicas import average_buffers
 
 STEPS = 10
-OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
-    "momentum_wd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
-    "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
-}
-
-
-@pytest.fixture(params=["zero_copy", "staged"])
-def binding(request, monkeypatch):
-    """Both ways gradients (or parameters) meet the shared slot: as views into it (CPU
-    tensors) and staged, copied in and out (CUDA tensors; forced here on the CPU)."""
-    if request.param == "staged":
-        monkeypatch.setattr(SlotBinding, "zero_copy_devices", ())
-    return request.param
-
-
-def check_binding(opt, binding):
-    """``opt`` bound its tensors the ``binding`` way; staged ones are not views into the slot."""
-    bound = opt._binding
-    assert bound.zero_copy == [binding == "zero_copy"] * len(bound.params)
-    if binding == "staged":
-        current = [p.grad if bound.what == "grad" else p.data for p in bound.params]
-        assert all(t is None or t.data_ptr() != v.data_ptr() for t, v in zip(current, bound.views))
-
-
-def reference(dtype, make_opt, steps=STEPS, clip=None):
-    """Single-process training on the whole batch."""
-    model = mlp(dtype)
-    opt = make_opt(model.parameters())
-    x, y = fixed_batch(dtype)
-    for _ in range(steps):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def assert_params_close(model, want, dtype):
-    tol = 1e-10 if dtype == torch.float64 else 1e-5
-    got = list(model.parameters())
-    assert len(got) == len(want)
-    for g, exp in zip(got, want):
-        torch.testing.assert_close(g.detach(), exp, rtol=tol, atol=tol * exp.abs().max().item())
 
 
 def check_strategy(opt, topo, inter_node):
@@ -139,18 +93,6 @@ def test_accumulation_over_micro_batches(comm, binding):
     check_binding(opt, binding)
     assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
     opt.close()
-
-
-class Branchy(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.trunk = torch.nn.Linear(4, 4).double()
-        self.branch = torch.nn.Linear(4, 1).double()
-
-    def forward(self, x, use_branch):
-        h = self.trunk(x)
-        return h.sum() + (self.branch(h).sum() if use_branch else 0.0)
 
 
 def test_unused_branch_counts_as_zero(comm, binding):

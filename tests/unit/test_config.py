@@ -30,6 +30,8 @@ from hsgd.train import parse_config
     (["--straggler", "1:0.5"], "--straggler"),
     (["--straggler", "1:inf"], "--straggler"),
     (["--straggler", "1:nan"], "--straggler"),
+    (["--overlap", "--bucket-cap-mb", "0"], "--bucket-cap-mb"),
+    (["--bucket-cap-mb", "nan"], "--bucket-cap-mb"),
 ])
 def test_bad_flags_are_named(argv, flag):
     problem = parse_config(argv).validate()
@@ -54,6 +56,8 @@ def test_good_flags_pass(argv):
     (["--intra-period", "2"], ["--intra-period"]),
     (["--sync", "sync", "--intra-period", "2", "--inter-period", "3"], ["--inter-period", "--intra-period"]),
     (["--sync", "local", "--intra-period", "2"], []),
+    (["--sync", "local", "--overlap"], ["--overlap"]),
+    (["--overlap", "--bucket-cap-mb", "5"], []),
     ([], []),
 ])
 def test_flags_of_another_mode_are_reported_as_ignored(argv, ignored):

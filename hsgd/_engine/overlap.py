@@ -1,0 +1,279 @@
+"""Averaging gradients while backward runs: ``HierarchicalSGD(overlap=True)``.
+
+The bound gradients are cut into *buckets* in reverse parameter order, the
+order backward produces them: the first bucket small (1 MB) so that averaging
+starts early, the others up to ``bucket_cap_mb``, as DDP does. Each bucket is
+one contiguous span of a segment of the rank's slot. A post-accumulate-grad
+hook on every parameter counts its backward passes; when every parameter of a
+bucket has its ``backward_passes_per_step``-th gradient, this rank has
+*written* the bucket.
+
+A bucket can be averaged once every local rank wrote it, so the ranks of a
+node meet on a *board* in a second shared window: ``board[r, stage, b] ==
+round`` says that local rank ``r`` finished ``stage`` of bucket ``b`` in this
+round (rounds count the averagings, so no flag is ever reset). The stages of
+a bucket:
+
+* one node: when every local rank wrote it, each rank averages its slice of the
+  bucket into every slot (``reduce_broadcast`` on the span);
+* ``sharded`` across nodes: each rank sums its slice into slot 0, allreduces
+  that slice with the ranks of its local index on the other nodes, and spreads
+  it: no local rank waits for another's slice;
+* ``leader``: each rank sums its slice into slot 0 and says so (``REDUCED``); the
+  leader, once every slice is in, allreduces the bucket with the other leaders
+  and says so (``CROSSED``); then each rank spreads its slice.
+
+At each hook a rank does what the board allows without waiting; the only
+waits inside backward are level 2's MPI calls, made in bucket order on every
+rank, on buckets every rank of the node has written, so no cycle of waits can
+form. :meth:`BackwardOverlap.finish` (in ``synchronize()``) ends the round:
+the buckets not yet written (a parameter no backward reached, an unused
+branch) are gathered and written, every stage is driven to the end, waiting on
+the board, and one fence keeps any rank from writing next round's gradients
+into a slot that another rank still reads. Every element is summed in the same
+order as without overlap: the averages are identical to the last bit.
+
+Memory order: a rank publishes a flag after ``Win.Sync`` (its stores to the
+slots first) and reads the slots after seeing every flag and another
+``Win.Sync``: MPI's memory barrier on a shared window.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..intra_node import _aligned
+
+__all__ = ["Bucket", "plan_buckets", "BackwardOverlap", "FIRST_BUCKET_MB"]
+
+FIRST_BUCKET_MB = 1.0  # DDP's first bucket: small, so that averaging starts early
+_WRITTEN, _REDUCED, _CROSSED = range(3)
+
+
+class Bucket(NamedTuple):
+    """Elements ``[lo, hi)`` of slot segment ``segment``, holding the bound tensors ``params``
+    (indices into the binding's parameters; empty for the used-flags)."""
+    segment: int
+    lo: int
+    hi: int
+    params: Tuple[int, ...]
+
+
+def plan_buckets(layout, numels: Sequence[int], cap_bytes: float,
+                 first_cap_bytes: float = FIRST_BUCKET_MB * 2 ** 20, tail: int = 0) -> List[Bucket]:
+    """Buckets over the entries of ``layout``, whose sizes are ``numels``: all but the last
+    ``tail`` in reverse order, a bucket ending when it reaches its cap (the first
+    ``min(first_cap_bytes, cap_bytes)``, the others ``cap_bytes``) or the segment changes;
+    then each of the last ``tail`` entries (the used-flags) as a bucket of its own."""
+    def extent(i: int) -> Tuple[int, int]:
+        seg, off = layout.places[i]
+        itemsize = torch.empty((), dtype=layout.dtypes[seg]).element_size()
+        return off, off + _aligned(numels[i] * itemsize) // itemsize
+
+    buckets: List[Bucket] = []
+    current: List[int] = []  # indices, highest first
+    nbytes = 0
+    for i in reversed(range(len(numels) - tail)):
+        if current and layout.places[current[0]][0] != layout.places[i][0]:
+            buckets.append(Bucket(layout.places[current[0]][0], extent(current[-1])[0], extent(current[0])[1],
+                                  tuple(current)))
+            current, nbytes = [], 0
+        current.append(i)
+        nbytes += numels[i] * torch.empty((), dtype=layout.dtypes[layout.places[i][0]]).element_size()
+        if nbytes >= (min(first_cap_bytes, cap_bytes) if not buckets else cap_bytes) or i == 0:
+            buckets.append(Bucket(layout.places[i][0], extent(i)[0], extent(current[0])[1], tuple(current)))
+            current, nbytes = [], 0
+    for i in range(len(numels) - tail, len(numels)):
+        buckets.append(Bucket(layout.places[i][0], *extent(i), ()))
+    return buckets
+
+
+class _Stage(NamedTuple):
+    waits_for: Optional[Tuple[int, object]]  # (flag, local ranks) every one of which must show this round
+    run: Optional[object]                    # fn(span), or None: nothing to do on this rank
+    posts: Optional[int]                     # the flag this rank sets after running
+
+
+class _Pipeline:
+    """The board and the per-bucket stages of one averager (see the module doc)."""
+
+    def __init__(self, averager, buckets: Sequence[Bucket], scale: float):
+        self.averager = averager
+        self.buckets = list(buckets)
+        slots, topo = averager.slots, averager.topology
+        self.me = slots.local_rank
+        self._memory_barrier = slots.win.Sync
+        self.stages = self._stages(averager, topo, scale)
+        n = len(self.buckets)
+        nbytes = slots.local_size * 3 * n * 8 if self.me == 0 else 0
+        self.win = MPI.Win.Allocate_shared(nbytes, 8, comm=slots.comm)
+        try:
+            buf, _ = self.win.Shared_query(0)
+            self.board = np.frombuffer(buf, dtype=np.int64, count=slots.local_size * 3 * n)
+            self.board = self.board.reshape(slots.local_size, 3, n)
+            self.win.Lock_all(MPI.MODE_NOCHECK)
+            if self.me == 0:
+                self.board[...] = 0  # MPI does not zero a window; round 0 is never current
+            self.win.Sync()
+            slots.comm.Barrier()
+            self.win.Sync()
+        except BaseException:
+            self.win.Free()
+            raise
+        self.round = 1
+        self._next = [0] * len(self.stages)
+
+    @staticmethod
+    def _stages(averager, topo, scale: float) -> List[_Stage]:
+        """What a rank does to each bucket, in order (see the module doc); every part timed as
+        its phase (``on_phase``)."""
+        def intra(fn, **kw):
+            return functools.partial(averager.timed, "intra", functools.partial(fn, **kw))
+
+        everyone = slice(None)
+        if topo.num_nodes == 1:
+            return [_Stage((_WRITTEN, everyone), intra(averager.node_mean_of, scale=scale), None)]
+        reduce, spread = intra(averager.reduce_of), intra(averager.spread_of, scale=scale / topo.size)
+        across = functools.partial(averager.timed, "inter", averager.across_of)
+        if averager.inter_node == "sharded":
+            def slice_through(span):  # this rank's slice alone, start to end
+                reduce(span)
+                across(span)
+                spread(span)
+            return [_Stage((_WRITTEN, everyone), slice_through, None)]
+        leader = averager.slots.local_rank == 0
+        return [_Stage((_WRITTEN, everyone), reduce, _REDUCED),
+                _Stage((_REDUCED, everyone), across, _CROSSED) if leader else _Stage(None, None, None),
+                _Stage((_CROSSED, [0]), spread, None)]
+
+    def post(self, flag: int, bucket: int) -> None:
+        self._memory_barrier()  # this rank's stores to its slot before the flag
+        self.board[self.me, flag, bucket] = self.round
+
+    def _ready(self, stage: _Stage, bucket: int) -> bool:
+        if stage.waits_for is None:
+            return True
+        flag, ranks = stage.waits_for
+        if not (self.board[ranks, flag, bucket] == self.round).all():
+            return False
+        self._memory_barrier()  # the other ranks' stores, after their flags
+        return True
+
+    def advance(self, block: bool) -> None:
+        """Run every stage the board allows, in bucket order; with ``block``, until all are done."""
+        n, spins = len(self.buckets), 0
+        while self._next[-1] < n:
+            moved = False
+            for k, stage in enumerate(self.stages):
+                limit = n if k == 0 else self._next[k - 1]
+                while self._next[k] < limit and self._ready(stage, self._next[k]):
+                    b = self.buckets[self._next[k]]
+                    if stage.run is not None:
+                        stage.run((b.segment, b.lo, b.hi))
+                    if stage.posts is not None:
+                        self.post(stage.posts, self._next[k])
+                    self._next[k] += 1
+                    moved = True
+            if not moved:
+                if not block:
+                    return
+                # another local rank is still in backward: give it the core (ranks may share one)
+                os.sched_yield() if spins < 100 else time.sleep(50e-6)
+                spins += 1
+
+    def finish(self) -> None:
+        """Drive every bucket to the end, then fence: the round is over on every local rank."""
+        self.advance(block=True)
+        self.averager.slots.fence()
+        self.round += 1
+        self._next = [0] * len(self.stages)
+
+    def close(self) -> None:
+        if self.win is not None:
+            self.win.Unlock_all()
+            self.win.Free()
+            self.win = None
+
+
+class BackwardOverlap:
+    """Hooks that average ``binding``'s gradients bucket by bucket during backward.
+
+    Args:
+        averager: the :class:`~hsgd._engine.averager.HierarchicalAverager` of the slot.
+        binding: the :class:`~hsgd._engine.binding.SlotBinding` of the gradients (with flags).
+        bucket_cap_mb: the size of every bucket but the first.
+        passes: backward passes per averaging (``backward_passes_per_step``).
+        weight: ``fn()`` -> this rank's factor in the average (batch shares), read per bucket.
+
+    Collective to build (a shared window) and to :meth:`close`.
+    """
+
+    def __init__(self, averager, binding, bucket_cap_mb: float, passes: int, weight):
+        self.binding, self.passes, self.weight = binding, passes, weight
+        params = binding.params
+        numels = [p.numel() for p in params] + [len(params)]  # the used-flags last
+        self.buckets = plan_buckets(averager.layout, numels, bucket_cap_mb * 2 ** 20, tail=1)
+        self._of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.params}
+        self.pipeline = _Pipeline(averager, self.buckets, 1.0 / passes)
+        self.paused = False
+        self._reset()
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                       for i, p in enumerate(params)]
+
+    def _reset(self) -> None:
+        self._counts = [0] * len(self.binding.params)
+        self._missing = [len(b.params) for b in self.buckets]
+        self._written = [False] * len(self.buckets)
+        self.in_flight = False
+        self.overrun = False
+
+    def _on_grad(self, i: int, param) -> None:
+        """After backward accumulated ``p.grad`` of parameter ``i``."""
+        if self.paused:
+            return
+        self.in_flight = True
+        self._counts[i] += 1
+        if self._counts[i] > self.passes or self._written[self._of[i]]:
+            self.overrun = True  # its bucket is (being) averaged already
+        elif self._counts[i] == self.passes:
+            b = self._of[i]
+            self._missing[b] -= 1
+            if self._missing[b] == 0:
+                self._write(b)
+                self.pipeline.advance(block=False)
+
+    def _write(self, b: int) -> None:
+        """Bucket ``b`` of this rank's slot holds its gradients (weighted): say so."""
+        bucket = self.buckets[b]
+        self.binding.gather(bucket.params)
+        weight = self.weight() if bucket.params else 1.0  # the used-flags are not weighted
+        if weight != 1.0:
+            with torch.no_grad():
+                self.binding.averager.own(bucket.segment)[bucket.lo:bucket.hi].mul_(weight)
+        self._written[b] = True
+        self.pipeline.post(_WRITTEN, b)
+
+    def finish(self) -> bool:
+        """End the round (collective): write what backward did not, average everything. Returns
+        whether some gradient arrived after its bucket was written (more backward passes
+        than ``passes``: that gradient is not in the average)."""
+        for b in range(len(self.buckets)):
+            if not self._written[b]:
+                self._write(b)
+        self.pipeline.finish()
+        overrun = self.overrun
+        self._reset()
+        return overrun
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.pipeline.close()
