@@ -38,23 +38,36 @@ def setup(cfg: TrainConfig, comm):
     topo = Topology.from_comm(comm, ranks_per_node=cfg.ranks_per_node)
     logging.basicConfig(level=logging.INFO if topo.rank == 0 else logging.WARNING,
                         format=f"[rank {topo.rank}] %(message)s", stream=sys.stderr)
-    torch.set_num_threads(cfg.threads or _default_threads(topo.local_size))
-    device = _pick_device(cfg.device, comm)
+    host_rank, host_size = _on_host(comm)
+    torch.set_num_threads(cfg.threads or _default_threads(host_size))
+    device = _pick_device(cfg.device, comm, host_rank)
     run_dir = Path(on_root(comm, _make_run_dir, cfg, topo))
     ckpt_dir = Path(cfg.checkpoint_dir or run_dir / "checkpoints")
     on_root(comm, check_writable, ckpt_dir)
     return topo, device, run_dir, ckpt_dir
 
 
-def _default_threads(local_size: int) -> int:
-    """What the launcher gave each rank (SLURM_CPUS_PER_TASK, OMP_NUM_THREADS), else a fair share."""
+def _on_host(comm):
+    """This rank's index among the ranks of its host (physical node, whatever the virtual
+    node size), and their number. Collective."""
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return host.Get_rank(), host.Get_size()
+    finally:
+        host.Free()
+
+
+def _default_threads(host_size: int) -> int:
+    """What the launcher gave each rank (SLURM_CPUS_PER_TASK, OMP_NUM_THREADS), else a fair
+    share of the cores among the ranks on this host (not on the virtual node: with
+    --ranks-per-node 1 and 2 ranks on 2 cores, one thread each, not two)."""
     for var in ("SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS"):
         if os.environ.get(var, "").isdigit() and int(os.environ[var]) > 0:
             return int(os.environ[var])
-    return max(1, len(os.sched_getaffinity(0)) // local_size)
+    return max(1, len(os.sched_getaffinity(0)) // host_size)
 
 
-def _pick_device(choice: str, comm) -> torch.device:
+def _pick_device(choice: str, comm, host_rank: int) -> torch.device:
     """CPU, or the GPU of this rank's index among the ranks of its host; agreed by all ranks."""
     if choice == "cpu":
         return torch.device("cpu")
@@ -64,16 +77,14 @@ def _pick_device(choice: str, comm) -> torch.device:
             raise collective_error(InputValueError, "--device cuda, but torch sees no GPU on at least "
                                    "one rank; use --device cpu or auto")
         return torch.device("cpu")
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    torch.cuda.set_device(host.Get_rank() % torch.cuda.device_count())
-    host.Free()
+    torch.cuda.set_device(host_rank % torch.cuda.device_count())
     return torch.device("cuda")
 
 
 def _make_run_dir(cfg: TrainConfig, topo: Topology) -> str:
     """Create the run directory; its config.json also records the job's shape for reports."""
     run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    job = {"world_size": topo.size, "num_nodes": topo.num_nodes}
+    job = {"world_size": topo.size, "num_nodes": topo.num_nodes, "threads": torch.get_num_threads()}
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps({**asdict(cfg), **job}, indent=1))

@@ -1,6 +1,9 @@
 """Topology under mpiexec: node layouts, virtual nodes, bad settings."""
 
+import os
+
 import pytest
+import torch
 
 from hsgd import Topology
 
@@ -57,3 +60,22 @@ def test_disagreeing_values_raise_everywhere(comm):
         pytest.skip("needs two ranks to disagree")
     with pytest.raises(ValueError, match="disagree"):
         Topology.from_comm(comm, ranks_per_node=1 + (comm.rank == 0))
+
+
+def test_trainer_threads_share_the_host_not_the_virtual_node(comm, shared_dir, monkeypatch):
+    """With virtual nodes of one rank, a rank still shares its host's cores with the others
+    (it took them all before: 2 ranks on 2 cores, 2 threads each, 40x slower)."""
+    from hsgd._trainer.config import parse_config
+    from hsgd._trainer.setup import setup
+
+    for var in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(var, raising=False)
+    threads = torch.get_num_threads()
+    try:
+        cfg = parse_config(["--ranks-per-node", "1", "--run-dir", str(shared_dir / "threads")], quiet=True)
+        topo = setup(cfg, comm)[0]
+        assert topo.local_size == 1
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // comm.size)
+        topo.close()
+    finally:
+        torch.set_num_threads(threads)
