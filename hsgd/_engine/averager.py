@@ -88,8 +88,12 @@ class HierarchicalAverager:
         """Run ``fn(*args)``, reporting its time as phase ``key`` to :attr:`on_phase`."""
         start = time.perf_counter()
         fn(*args)
+        self.report(key, start, time.perf_counter())
+
+    def report(self, key: str, start: float, end: float) -> None:
+        """Tell :attr:`on_phase` that phase ``key`` ran from ``start`` to ``end``."""
         if self.on_phase is not None:
-            self.on_phase(key, start, time.perf_counter())
+            self.on_phase(key, start, end)
 
     def _node_mean(self, scale: float) -> None:
         if self.slots.local_size == 1:

@@ -23,25 +23,42 @@ a bucket:
   leader, once every slice is in, allreduces the bucket with the other leaders
   and says so (``CROSSED``); then each rank spreads its slice.
 
-At each hook a rank does what the board allows without waiting; the only
-waits inside backward are level 2's MPI calls, made in bucket order on every
-rank, on buckets every rank of the node has written, so no cycle of waits can
-form. :meth:`BackwardOverlap.finish` (in ``synchronize()``) ends the round:
-the buckets not yet written (a parameter no backward reached, an unused
-branch) are gathered and written, every stage is driven to the end, waiting on
-the board, and one fence keeps any rank from writing next round's gradients
-into a slot that another rank still reads. Every element is summed in the same
-order as without overlap: the averages are identical to the last bit.
+At each hook a rank does what the board allows without waiting. The first
+hook of a backward pass queues a callback that autograd runs when the pass
+ends; at the end of the ``backward_passes_per_step``-th pass it completes the
+round: the buckets not yet written (a parameter this backward did not reach,
+an unused branch) are gathered and written, every stage is driven to the end,
+waiting on the board, the gradients get the result, and one fence keeps any
+rank from writing next round's gradients into a slot another rank still reads.
+So ``backward()`` returns with the averaged gradients, as with DDP: clipping
+after it clips the average, and a collective of the caller's after it cannot
+meet a rank still averaging. (A rank whose backward reached no parameter at
+all completes the round in ``step()``.) Level 2's MPI calls happen in bucket
+order on every rank, on buckets every rank of the node has written, so the
+waits inside backward form no cycle.
 
-Memory order: a rank publishes a flag after ``Win.Sync`` (its stores to the
-slots first) and reads the slots after seeing every flag and another
-``Win.Sync``: MPI's memory barrier on a shared window.
+Every element of a bucket is summed in the same order as without overlap, so
+inside a node the averages are the same to the last bit; across nodes MPI may
+pick another allreduce algorithm for a bucket than for the whole buffer, which
+can change the last bits.
+
+A bucket is written only when all its parameters are, and buckets are
+averaged in order: a parameter that backward reaches late (used first in
+forward but registered last, or unused on this rank) holds back the buckets
+after its own until the end of backward. That costs overlap, not correctness.
+
+Memory order: a rank publishes a flag after ``Win.Sync`` of both windows (its
+stores to the slots first) and reads the slots after seeing every flag and
+another ``Win.Sync``: MPI's memory barrier on a shared window. Hooks of CUDA
+parameters run on autograd's device threads: a lock serializes them, and MPI
+must allow calls from them (``MPI_THREAD_SERIALIZED``, checked).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -109,7 +126,6 @@ class _Pipeline:
         self.buckets = list(buckets)
         slots, topo = averager.slots, averager.topology
         self.me = slots.local_rank
-        self._memory_barrier = slots.win.Sync
         self.stages = self._stages(averager, topo, scale)
         n = len(self.buckets)
         nbytes = slots.local_size * 3 * n * 8 if self.me == 0 else 0
@@ -153,6 +169,11 @@ class _Pipeline:
                 _Stage((_REDUCED, everyone), across, _CROSSED) if leader else _Stage(None, None, None),
                 _Stage((_CROSSED, [0]), spread, None)]
 
+    def _memory_barrier(self) -> None:
+        """``Win.Sync`` of both windows: the slots' and the board's stores and loads stay ordered."""
+        self.averager.slots.win.Sync()
+        self.win.Sync()
+
     def post(self, flag: int, bucket: int) -> None:
         self._memory_barrier()  # this rank's stores to its slot before the flag
         self.board[self.me, flag, bucket] = self.round
@@ -168,7 +189,7 @@ class _Pipeline:
 
     def advance(self, block: bool) -> None:
         """Run every stage the board allows, in bucket order; with ``block``, until all are done."""
-        n, spins = len(self.buckets), 0
+        n, spins, waiting_since = len(self.buckets), 0, None
         while self._next[-1] < n:
             moved = False
             for k, stage in enumerate(self.stages):
@@ -181,17 +202,23 @@ class _Pipeline:
                         self.post(stage.posts, self._next[k])
                     self._next[k] += 1
                     moved = True
+            if moved and waiting_since is not None:  # the wait counts as intra-node time
+                self.averager.report("intra", waiting_since, time.perf_counter())
+                waiting_since = None
             if not moved:
                 if not block:
                     return
+                waiting_since = waiting_since or time.perf_counter()
                 # another local rank is still in backward: give it the core (ranks may share one)
                 os.sched_yield() if spins < 100 else time.sleep(50e-6)
                 spins += 1
+        if waiting_since is not None:
+            self.averager.report("intra", waiting_since, time.perf_counter())
 
     def finish(self) -> None:
         """Drive every bucket to the end, then fence: the round is over on every local rank."""
         self.advance(block=True)
-        self.averager.slots.fence()
+        self.averager.timed("intra", self.averager.slots.fence)
         self.round += 1
         self._next = [0] * len(self.stages)
 
@@ -211,43 +238,68 @@ class BackwardOverlap:
         bucket_cap_mb: the size of every bucket but the first.
         passes: backward passes per averaging (``backward_passes_per_step``).
         weight: ``fn()`` -> this rank's factor in the average (batch shares), read per bucket.
+        waiting: ``fn(what)`` -> a context manager around every wait for other ranks (the
+            stall inspector's).
 
-    Collective to build (a shared window) and to :meth:`close`.
+    A round goes ``idle`` -> ``open`` (a hook fired) -> ``done`` (:meth:`complete`: at the
+    end of the ``passes``-th backward, or in :meth:`consume` for a rank whose backward
+    reached no parameter) -> ``idle`` (:meth:`consume`, :meth:`discard`). Collective to
+    build (a shared window) and to :meth:`close`.
     """
 
-    def __init__(self, averager, binding, bucket_cap_mb: float, passes: int, weight):
-        self.binding, self.passes, self.weight = binding, passes, weight
+    def __init__(self, averager, binding, bucket_cap_mb: float, passes: int, weight, waiting):
+        self.binding, self.passes, self.weight, self.waiting = binding, passes, weight, waiting
         params = binding.params
         numels = [p.numel() for p in params] + [len(params)]  # the used-flags last
         self.buckets = plan_buckets(averager.layout, numels, bucket_cap_mb * 2 ** 20, tail=1)
         self._of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.params}
         self.pipeline = _Pipeline(averager, self.buckets, 1.0 / passes)
         self.paused = False
+        # Hooks of CUDA parameters run on autograd's device threads, possibly two at once.
+        self._lock = threading.RLock()
         self._reset()
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(params)]
 
     def _reset(self) -> None:
+        self.state = "idle"
         self._counts = [0] * len(self.binding.params)
         self._missing = [len(b.params) for b in self.buckets]
         self._written = [False] * len(self.buckets)
-        self.in_flight = False
+        self._backwards = 0        # backward passes of this round that reached a parameter
+        self._queued = False       # the end-of-backward callback of the running pass
         self.overrun = False
 
     def _on_grad(self, i: int, param) -> None:
         """After backward accumulated ``p.grad`` of parameter ``i``."""
-        if self.paused:
-            return
-        self.in_flight = True
-        self._counts[i] += 1
-        if self._counts[i] > self.passes or self._written[self._of[i]]:
-            self.overrun = True  # its bucket is (being) averaged already
-        elif self._counts[i] == self.passes:
+        with self._lock:
+            if self.state == "done":
+                self.overrun = True  # a backward after the average, before step(): not in it
+                return
+            if self.paused:
+                return
+            self.state = "open"
+            if not self._queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._queued = True
+            self._counts[i] += 1
+            if self._counts[i] != self.passes:
+                return
             b = self._of[i]
             self._missing[b] -= 1
             if self._missing[b] == 0:
                 self._write(b)
                 self.pipeline.advance(block=False)
+
+    def _end_of_backward(self) -> None:
+        """Autograd's last act in a backward pass that reached a parameter: after the
+        ``passes``-th, finish the round, so that backward returns with the average (as DDP's)."""
+        with self._lock:
+            self._queued = False
+            self._backwards += 1
+            if self._backwards >= self.passes and self.state == "open":
+                with self.waiting("backward()"):
+                    self.complete()
 
     def _write(self, b: int) -> None:
         """Bucket ``b`` of this rank's slot holds its gradients (weighted): say so."""
@@ -257,20 +309,37 @@ class BackwardOverlap:
         if weight != 1.0:
             with torch.no_grad():
                 self.binding.averager.own(bucket.segment)[bucket.lo:bucket.hi].mul_(weight)
-        self._written[b] = True
         self.pipeline.post(_WRITTEN, b)
+        self._written[b] = True
 
-    def finish(self) -> bool:
-        """End the round (collective): write what backward did not, average everything. Returns
-        whether some gradient arrived after its bucket was written (more backward passes
-        than ``passes``: that gradient is not in the average)."""
-        for b in range(len(self.buckets)):
-            if not self._written[b]:
-                self._write(b)
-        self.pipeline.finish()
-        overrun = self.overrun
-        self._reset()
-        return overrun
+    def complete(self) -> None:
+        """End the round (collective): write what backward did not (unused parameters, fewer
+        passes than ``passes``), drive every bucket to the end, give the gradients the result."""
+        with self._lock:
+            for b in range(len(self.buckets)):
+                if not self._written[b]:
+                    self._write(b)
+            self.pipeline.finish()
+            self.binding.scatter()
+            self.state = "done"
+
+    def consume(self) -> bool:
+        """For ``synchronize()``: the round's average is in the gradients (completing it here
+        if backward did not); returns whether a gradient came after it (an overrun)."""
+        with self._lock:
+            if self.state != "done":
+                self.complete()
+            overrun = self.overrun
+            self._reset()
+            return overrun
+
+    def discard(self) -> None:
+        """For ``zero_grad()``: drop the round; an open one is completed first, since the
+        other ranks are averaging it."""
+        with self._lock:
+            if self.state == "open":
+                self.complete()
+            self._reset()
 
     def close(self) -> None:
         for handle in self._hooks:

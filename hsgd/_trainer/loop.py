@@ -241,23 +241,22 @@ def _train_step(model, opt, batch, device, clock, guard: bool = False):
     Inf is not taken (``finite`` False)."""
     x = batch[0].to(device, torch.float32, non_blocking=True)  # any stored dtype, e.g. uint8 images
     y = batch[1].to(device, non_blocking=True)
-    with clock.phase("compute"):
+    # The optimizer update counts as compute; averaging (in backward with --overlap, else in
+    # step()) is already in intra/inter.
+    with clock.phase("compute", excluding=("intra", "inter")):
         opt.zero_grad()
         out = model(x)
         loss = torch.nn.functional.cross_entropy(out, y)
         loss.backward()
-    start, comm_before = time.perf_counter(), clock.total("intra", "inter")
     finite = True
-    if guard:
-        opt.synchronize()
-        finite = opt.gradients_finite()
-        if finite:
-            with opt.skip_synchronize():
-                opt.step()
-    else:
-        opt.step()
-    end = time.perf_counter()
-    # The optimizer update counts as compute; its averaging is already in intra/inter.
-    clock.record("compute", start, end, seconds=(end - start) - (clock.total("intra", "inter") - comm_before))
+    with clock.phase("compute", excluding=("intra", "inter")):
+        if guard:
+            opt.synchronize()
+            finite = opt.gradients_finite()
+            if finite:
+                with opt.skip_synchronize():
+                    opt.step()
+        else:
+            opt.step()
     correct = (out.argmax(1) == y).sum().item()
     return loss.item(), float(correct), float(y.numel()), finite

@@ -25,7 +25,7 @@ import os
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from ..errors import InputValueError
 
@@ -55,12 +55,14 @@ class PhaseClock:
                                 "dur": round((end - start) * 1e6, 1), "pid": 0, "tid": self.rank})
 
     @contextlib.contextmanager
-    def phase(self, name: str):
-        start = time.perf_counter()
+    def phase(self, name: str, excluding: Sequence[str] = ()):
+        """Time the block as phase ``name``, less the phases ``excluding`` recorded inside it."""
+        start, inner = time.perf_counter(), self.total(*excluding)
         try:
             yield
         finally:
-            self.record(name, start, time.perf_counter())
+            end = time.perf_counter()
+            self.record(name, start, end, seconds=(end - start) - (self.total(*excluding) - inner))
 
     def total(self, *names: str) -> float:
         """Seconds counted so far (since the last :meth:`take`) in ``names``."""

@@ -15,7 +15,10 @@ benchmarks); the JSON records it.
 Workloads: ``mlp``, communication-bound: the MNIST-1D MLP widened to
 2 950 hidden units (8.85M parameters), ``--mlp-batch`` 32 samples per rank;
 ``cnn``, compute-bound: the trainer's default model (the MNIST-1D CNN, 5K
-parameters), ``--cnn-batch`` 128 samples per rank.
+parameters), ``--cnn-batch`` 128 samples per rank; and, when asked for,
+``deep``, communication-bound in many tensors: 8 hidden layers of 1024
+(7.4M parameters in 18 tensors, so that backward yields gradients
+throughout and ``overlap=True`` has something to overlap), ``--mlp-batch``.
 
 Methods, synchronous (gradients averaged every step):
 
@@ -59,7 +62,9 @@ from collections import OrderedDict
 from ._harness import Result, Table, add_repeat_options, int_at_least, median
 from ._launch import run_per_rank_count
 
-WORKLOADS = ("mlp", "cnn")
+WORKLOADS = ("mlp", "cnn", "deep")
+DEFAULT_WORKLOADS = ("mlp", "cnn")
+DEEP_LAYERS, DEEP_WIDTH = 8, 1024  # 'deep': 8 hidden layers of 1024, 7.4M parameters in 18 tensors
 SYNC = ("no comm", "hsgd", "hsgd overlap", "hsgd leader 2n", "hsgd sharded 2n", "hsgd overlap sharded 2n",
         "DDP", "DDP bucket view", "Horovod")
 LOCAL = ("hsgd local", "torch periodic", "hsgd local 2n", "torch hierarchical")
@@ -69,11 +74,11 @@ SAMPLE, CLASSES = (40,), 10  # MNIST-1D
 
 def add_arguments(p) -> None:
     p.add_argument("--ranks", type=int_at_least(1), nargs="+", default=[2, 4], help="rank counts (2 4)")
-    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(DEFAULT_WORKLOADS),
                    help="mlp (communication-bound), cnn (compute-bound) (both)")
     p.add_argument("--steps", type=int_at_least(1), default=10, help="steps per method per repeat (10)")
     add_repeat_options(p, repeats=7, warmup=1, what="rounds of every method")
-    p.add_argument("--mlp-batch", type=int_at_least(1), default=32, help="samples per rank, mlp (32)")
+    p.add_argument("--mlp-batch", type=int_at_least(1), default=32, help="samples per rank, mlp and deep (32)")
     p.add_argument("--cnn-batch", type=int_at_least(1), default=128, help="samples per rank, cnn (128)")
     p.add_argument("--batches", type=int_at_least(1), default=4, help="distinct batches per rank, cycled (4)")
     p.add_argument("--period", type=int_at_least(2), default=4,
@@ -160,6 +165,10 @@ def _model(workload: str):
     torch.manual_seed(0)
     if workload == "mlp":
         return MLP(SAMPLE[0], CLASSES, hidden=MLP_HIDDEN)
+    if workload == "deep":
+        widths = [SAMPLE[0]] + [DEEP_WIDTH] * DEEP_LAYERS
+        layers = [m for a, b in zip(widths, widths[1:]) for m in (torch.nn.Linear(a, b), torch.nn.ReLU())]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(DEEP_WIDTH, CLASSES))
     return build_model("cnn", SAMPLE, CLASSES)
 
 
@@ -278,7 +287,7 @@ def worker(args):
                             world_size=comm.size)
     rows = []
     for workload in args.workloads:
-        per_rank = args.mlp_batch if workload == "mlp" else args.cnn_batch
+        per_rank = args.cnn_batch if workload == "cnn" else args.mlp_batch
         skipped = []
         methods = _methods(workload, _batches(args.batches, per_rank, comm.rank), comm, topologies,
                            args.period, args.local, skipped)

@@ -11,8 +11,9 @@ accumulator (:mod:`hsgd._engine.binding`).
 Gradient accumulation needs nothing special: backward never communicates, so
 call ``backward()`` several times and ``step()`` once. With ``overlap=True``
 backward does communicate: each bucket of gradients is averaged as soon as
-every rank's backward produced it (:mod:`hsgd._engine.overlap`), so pass
-``backward_passes_per_step`` or run the earlier passes inside ``no_sync()``. With
+every rank's backward produced it, and backward returns with the averages
+(:mod:`hsgd._engine.overlap`), so pass ``backward_passes_per_step`` or run the
+earlier passes inside ``no_sync()``. With
 ``backward_passes_per_step=N`` the summed gradient is also divided by ``N``
 (folded into the averaging), giving the mean over all ``N * world`` micro-batches.
 
@@ -52,8 +53,11 @@ import math
 import numbers
 import warnings
 
+import numpy as np
 import torch
+from mpi4py import MPI
 
+from .._engine.agree import collective_error
 from .._engine.checks import check_int
 from .._engine.mode import SyncMode
 from .._engine.overlap import BackwardOverlap
@@ -72,11 +76,11 @@ class HierarchicalSGD(SyncMode):
         backward_passes_per_step: divide the accumulated gradient by this (with ``overlap``,
             also the backward passes after which a gradient is final).
         overlap: average the gradients in buckets while backward still runs
-            (:mod:`hsgd._engine.overlap`): the same averages, bit for bit. Backward must then
-            run exactly ``backward_passes_per_step`` times per step (more inside
-            :meth:`no_sync`), gradients must not change between backward and
-            ``synchronize()``, and a ``GradScaler`` is refused. It pays only where averaging
-            can run beside backward (docs/benchmarks.md); on a CPU rank with one core it does not.
+            (:mod:`hsgd._engine.overlap`), the same averages as without. ``backward()`` then
+            returns with the averages, as with DDP (clipping after it clips the average), is
+            collective, and must run exactly ``backward_passes_per_step`` times per step
+            (earlier passes inside :meth:`no_sync`); a ``GradScaler`` is refused. It pays only
+            where averaging can run beside backward (docs/benchmarks.md).
         bucket_cap_mb: bucket size in MiB with ``overlap`` (the first bucket 1 MiB at most).
 
     Construction is collective. It raises the same error on every rank if the
@@ -113,13 +117,20 @@ class HierarchicalSGD(SyncMode):
 
     def _build(self, params, inter_node) -> None:
         super()._build(params, inter_node)
-        if self.overlap:
-            try:
-                self._overlap = BackwardOverlap(self.averager, self._binding, self.bucket_cap_mb,
-                                                self.backward_passes_per_step, lambda: self._weight("global"))
-            except BaseException:
-                super()._teardown()
-                raise
+        if not self.overlap:
+            return
+        try:
+            if not all(self._binding.zero_copy) and MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+                raise collective_error(InputValueError, (
+                    "overlap=True with parameters on a GPU averages from autograd's device threads, "
+                    "which needs MPI initialized with MPI_THREAD_SERIALIZED or more (mpi4py's default, "
+                    "mpi4py.rc.thread_level = 'multiple'); or pass overlap=False"))
+            self._overlap = BackwardOverlap(self.averager, self._binding, self.bucket_cap_mb,
+                                            self.backward_passes_per_step, lambda: self._weight("global"),
+                                            lambda what: self.stall.waiting(self.num_steps, what))
+        except BaseException:
+            super()._teardown()
+            raise
 
     def _teardown(self) -> None:
         if self._overlap is not None:
@@ -147,22 +158,23 @@ class HierarchicalSGD(SyncMode):
         self._synchronized = True
 
     def _finish_overlap(self) -> None:
-        """``synchronize()`` with ``overlap=True``: average what backward has not yet, wait for the rest."""
+        """``synchronize()`` with ``overlap=True``: backward has averaged (or, on a rank whose
+        backward reached no parameter, average now); agree whether a gradient came too late."""
         with self.stall.waiting(self.num_steps, "synchronize()"):
-            overrun = self._overlap.finish()
-        self._binding.scatter()
+            overrun = np.array([self._overlap.consume()], dtype=np.int8)
+            self.topology.comm.Allreduce(MPI.IN_PLACE, overrun, op=MPI.MAX)
         self._synchronized = True
-        if overrun:
-            raise InputValueError(
-                f"backward() ran more than backward_passes_per_step={self.backward_passes_per_step} times "
-                "before step() with overlap=True: a gradient came after its bucket was averaged, and "
-                "the average misses it. Pass backward_passes_per_step=<backward passes per step>, or "
-                "run the extra passes inside opt.no_sync()")
+        if overrun[0]:
+            raise collective_error(InputValueError, (
+                f"with overlap=True a backward pass ran after the average of the "
+                f"backward_passes_per_step={self.backward_passes_per_step} before it and before "
+                "step(): its gradients are not averaged. Pass backward_passes_per_step=<backward "
+                "passes per step>, or run the earlier passes inside opt.no_sync()"))
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Inside this block backward does not start averaging (``overlap=True``): the gradients
-        accumulate on this rank, to be averaged by a backward outside the block or by the next
+        """Inside this block backward does not average (``overlap=True``): the gradients
+        accumulate on this rank, to be averaged by the next backward outside the block or by
         ``synchronize()``/``step()``, as in DDP's ``no_sync()``. Without overlap backward never
         averages, and this changes nothing."""
         self._check_open()
@@ -195,12 +207,15 @@ class HierarchicalSGD(SyncMode):
             self._skip = False
 
     def _step(self) -> None:
-        if self._overlap is not None and (hasattr(self, "found_inf") or (self._skip and not self._synchronized)):
-            raise InputValueError(
-                "with overlap=True backward averages the gradients as they come: a GradScaler's loss "
-                "scale is not known yet, and step() inside skip_synchronize() needs synchronize() "
-                "first. Build HierarchicalSGD with overlap=False for these")
-        if self._skip and not self._synchronized:
+        if self._overlap is not None and hasattr(self, "found_inf"):
+            for name in ("found_inf", "grad_scale"):  # GradScaler removes them only after a step
+                self.__dict__.pop(name, None)
+            raise InputValueError("with overlap=True backward averages the gradients before "
+                                  "GradScaler.step() tells their loss scale; use a GradScaler with "
+                                  "overlap=False")
+        if self._overlap is not None and not self._synchronized:
+            self._finish_overlap()  # backward averaged already: skip_synchronize() has nothing to skip
+        elif self._skip and not self._synchronized:
             warnings.warn("step() inside skip_synchronize() without synchronize(): "
                           "each rank steps on its own gradients", stacklevel=3)
             self._unscale_local()
@@ -220,9 +235,8 @@ class HierarchicalSGD(SyncMode):
         place, as views into shared memory (for code that writes into ``p.grad`` without a
         backward pass)."""
         self._check_open()
-        if self._overlap is not None and self._overlap.in_flight:
-            # backward ran since the last step, and averaging began on every rank: end it alike
+        if self._overlap is not None:  # a backward with no step: end its averaging as the others do
             with self.stall.waiting(self.num_steps, "zero_grad()"):
-                self._overlap.finish()
+                self._overlap.discard()
         self._synchronized = False
         self._binding.zero_(set_to_none)

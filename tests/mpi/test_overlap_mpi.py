@@ -19,12 +19,23 @@ STEPS = 6
 TINY = 1e-6  # MiB: every tensor its own bucket
 
 
-def train(comm, overlap, topo=None, steps=STEPS, make_opt=OPTIMIZERS["momentum_wd"], clip=None,
-          micro=1, **kw):
+@pytest.fixture(params=["one node", "leader", "sharded"])
+def layout(request, comm):
+    """Where the hooks communicate: one node (shared memory only), or 2+ virtual nodes with
+    either level-2 strategy (MPI calls inside backward). Yields HierarchicalSGD's arguments."""
+    rpn = None if request.param == "one node" else LAYOUTS[request.param](comm.size)
+    topo = Topology.from_comm(comm, ranks_per_node=rpn)
+    yield {"topology": topo, "inter_node": "sharded" if request.param == "sharded" else "leader"}
+    topo.close()
+
+
+def train(comm, overlap, steps=STEPS, make_opt=OPTIMIZERS["momentum_wd"], clip=None, micro=1, **kw):
+    """``steps`` steps on this rank's shard in ``micro`` backward passes; with ``clip``, clipped
+    between synchronize() and step()."""
     x, y = fixed_batch()
     xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
     model = mlp(seed=comm.rank)  # different init: the broadcast must fix it
-    opt = HierarchicalSGD(make_opt(model.parameters()), model, topology=topo, overlap=overlap,
+    opt = HierarchicalSGD(make_opt(model.parameters()), model, overlap=overlap,
                           backward_passes_per_step=micro, **kw)
     part = xs.shape[0] // micro
     for _ in range(steps):
@@ -42,42 +53,70 @@ def train(comm, overlap, topo=None, steps=STEPS, make_opt=OPTIMIZERS["momentum_w
     return model, opt
 
 
+def assert_same(a, b):
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q) and (p.grad is None) == (q.grad is None)
+        assert p.grad is None or torch.equal(p.grad, q.grad)
+
+
 @pytest.mark.parametrize("cap", [TINY, 25.0])
-@pytest.mark.parametrize("layout", ["one node", "leader", "sharded"])
-def test_overlap_equals_single_process_and_no_overlap_bit_for_bit(comm, layout, cap, binding):
-    rpn = None if layout == "one node" else LAYOUTS[layout](comm.size)
-    inter = "sharded" if layout == "sharded" else "leader"
-    topo = Topology.from_comm(comm, ranks_per_node=rpn)
-    on, opt_on = train(comm, True, topo, inter_node=inter, bucket_cap_mb=cap)
-    buckets = opt_on._overlap.buckets
-    assert len(buckets) == (5 if cap == TINY else 2)  # 4 tensors (+ the used-flags)
-    off, opt_off = train(comm, False, topo, inter_node=inter)
+def test_overlap_equals_single_process_and_no_overlap(comm, layout, cap, binding):
+    on, opt_on = train(comm, True, bucket_cap_mb=cap, **layout)
+    assert len(opt_on._overlap.buckets) == (5 if cap == TINY else 2)  # 4 tensors (+ the used-flags)
+    off, opt_off = train(comm, False, **layout)
     assert_params_close(on, reference(torch.float64, OPTIMIZERS["momentum_wd"], STEPS), torch.float64)
-    for a, b in zip(on.parameters(), off.parameters()):
-        assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
+    assert_same(on, off)  # the same summation order, bit for bit (MPI's is the same at these sizes)
     check_binding(opt_on, binding)
     opt_on.close()
     opt_off.close()
-    topo.close()
 
 
-def test_clip_between_synchronize_and_step(comm, binding):
-    model, opt = train(comm, True, make_opt=OPTIMIZERS["sgd"], clip=0.05, bucket_cap_mb=TINY)
+def test_clip_between_synchronize_and_step(comm, layout, binding):
+    model, opt = train(comm, True, make_opt=OPTIMIZERS["sgd"], clip=0.05, bucket_cap_mb=TINY, **layout)
     assert_params_close(model, reference(torch.float64, OPTIMIZERS["sgd"], STEPS, clip=0.05), torch.float64)
     check_binding(opt, binding)
     opt.close()
 
 
+def test_backward_returns_with_the_average_as_with_ddp(comm, layout):
+    """Between backward and step the gradients are the averages already: clipping there clips
+    the average (single-process clipping), and a collective there does not deadlock with
+    averaging still under way, even with a branch that only rank 0 uses."""
+    x, y = fixed_batch()
+    xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
+    model = mlp()
+    opt = HierarchicalSGD(OPTIMIZERS["sgd"](model.parameters()), model, overlap=True, bucket_cap_mb=TINY,
+                          **layout)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xs), ys).backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        assert torch.equal(torch.stack(comm.allgather(grads)).amax(0), grads)  # the same on every rank
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+    assert_params_close(model, reference(torch.float64, OPTIMIZERS["sgd"], STEPS, clip=0.05), torch.float64)
+    opt.close()
+    branchy = Branchy()
+    opt = HierarchicalSGD(torch.optim.SGD(branchy.parameters(), lr=0.1), branchy, overlap=True,
+                          bucket_cap_mb=TINY, **layout)
+    for _ in range(3):
+        opt.zero_grad()
+        branchy(torch.ones(2, 4, dtype=torch.float64), use_branch=comm.rank == 0).backward()
+        assert comm.allreduce(1) == comm.size  # would hang if a rank still waited in a hook
+        opt.step()
+    opt.close()
+
+
 @pytest.mark.parametrize("how", ["backward_passes_per_step", "no_sync"])
-def test_accumulation_over_micro_batches(comm, how, binding):
+def test_accumulation_over_micro_batches(comm, layout, how, binding):
     if how == "backward_passes_per_step":
-        model, opt = train(comm, True, micro=2, bucket_cap_mb=TINY)
+        model, opt = train(comm, True, micro=2, bucket_cap_mb=TINY, **layout)
     else:  # DDP's way: the first pass inside no_sync(), the last one averages
         x, y = fixed_batch()
         xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
         model = mlp()
         opt = HierarchicalSGD(OPTIMIZERS["momentum_wd"](model.parameters()), model, overlap=True,
-                              bucket_cap_mb=TINY)
+                              bucket_cap_mb=TINY, **layout)
         half = xs.shape[0] // 2
         for _ in range(STEPS):
             opt.zero_grad()
@@ -90,13 +129,13 @@ def test_accumulation_over_micro_batches(comm, how, binding):
     opt.close()
 
 
-def test_unused_parameters(comm, binding):
+def test_unused_parameters(comm, layout, binding):
     """A branch used on rank 0 only counts as zero elsewhere; one no rank uses keeps None."""
     model = Branchy()
     model.spare = torch.nn.Linear(2, 2).double()  # never used
     x = torch.ones(2, 4, dtype=torch.float64)
     opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.0), model, overlap=True,
-                          bucket_cap_mb=TINY)
+                          bucket_cap_mb=TINY, **layout)
     for _ in range(2):
         opt.zero_grad()
         model(x, use_branch=comm.rank == 0).backward()
@@ -112,29 +151,67 @@ def test_unused_parameters(comm, binding):
     opt.close()
 
 
-def test_zero_grad_after_backward_keeps_the_ranks_in_step(comm):
-    """A batch thrown away after backward (zero_grad, no step) ends the round on every rank;
-    training then goes on as if that batch had never been."""
+def test_zero_grad_after_backward_keeps_the_ranks_in_step(comm, layout):
+    """A batch thrown away after backward (zero_grad, no step) is averaged and dropped on every
+    rank alike; training then goes on as if that batch had never been."""
     x, y = fixed_batch()
     xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
     model = mlp()
     opt = HierarchicalSGD(OPTIMIZERS["momentum_wd"](model.parameters()), model, overlap=True,
-                          bucket_cap_mb=TINY)
+                          bucket_cap_mb=TINY, backward_passes_per_step=2, **layout)
+    half = xs.shape[0] // 2
     for step in range(STEPS):
-        if step == 2:
-            torch.nn.functional.cross_entropy(model(xs * 3), ys).backward()  # discarded
+        if step == 2:  # one pass of two: the round is still open at zero_grad()
+            torch.nn.functional.cross_entropy(model(xs * 3), ys).backward()
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(xs), ys).backward()
+        for rows in (slice(0, half), slice(half, None)):
+            torch.nn.functional.cross_entropy(model(xs[rows]), ys[rows]).backward()
         opt.step()
     assert_params_close(model, reference(torch.float64, OPTIMIZERS["momentum_wd"], STEPS), torch.float64)
     opt.close()
 
 
-def test_more_backward_passes_than_declared_raise(comm):
+class Mixed(torch.nn.Module):
+    """float32 and float64 parameters (two slot segments), registered in another order than
+    backward reaches them (``late`` is used first, so its gradient comes last)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(6, 3).double()
+        self.late = torch.nn.Linear(8, 6)  # float32
+
+    def forward(self, x):
+        return self.head(self.late(x.float()).double().tanh())
+
+
+def test_mixed_dtypes_and_order_and_batch_shares_bit_for_bit(comm, layout):
+    shares = [2 + r for r in range(comm.size)]
+    runs = []
+    for overlap in (True, False):
+        model = Mixed()
+        opt = HierarchicalSGD(OPTIMIZERS["momentum_wd"](model.parameters()), model, overlap=overlap,
+                              bucket_cap_mb=TINY, **layout)
+        opt.batch_shares = shares
+        runs.append((model, opt))
+        x, y = fixed_batch()
+        xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xs), ys).backward()
+            opt.step()
+    if runs[0][1]._overlap is not None:
+        assert {b.segment for b in runs[0][1]._overlap.buckets} == {0, 1}
+    assert_same(runs[0][0], runs[1][0])
+    for _, opt in runs:
+        opt.close()
+
+
+def test_more_backward_passes_than_declared_raise_on_every_rank(comm, layout):
     x, y = fixed_batch()
     model = mlp()
-    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, overlap=True)
-    for _ in range(2):
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, overlap=True, **layout)
+    for _ in range(2 if comm.rank == 0 else 1):  # the others are told too
         torch.nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(InputValueError, match="backward_passes_per_step=1"):
         opt.step()
@@ -144,20 +221,20 @@ def test_more_backward_passes_than_declared_raise(comm):
     opt.close()
 
 
-def test_grad_scaler_and_skip_without_synchronize_are_refused(comm):
+def test_grad_scaler_is_refused_and_the_optimizer_stays_usable(comm):
     x, y = fixed_batch()
     model = mlp()
     opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, overlap=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
-    with pytest.raises(InputValueError, match="overlap=False"):
+    with pytest.raises(InputValueError, match="GradScaler with overlap=False"):
         scaler.step(opt)
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
-    with pytest.raises(InputValueError, match="synchronize\\(\\) first"):
-        with opt.skip_synchronize():
-            opt.step()
-    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    with opt.skip_synchronize():  # backward averaged already: nothing to skip, and no warning
+        opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
     opt.close()
 
 
@@ -175,6 +252,17 @@ def test_buckets_go_in_reverse_order_first_one_small():
     layout = Layout([(torch.float32, n) for n in numels])
     buckets = plan_buckets(layout, numels, cap_bytes=2.5e6, first_cap_bytes=1e6, tail=1)
     assert [b.params for b in buckets] == [(4,), (3, 2, 1, 0), ()]
+    mixed = Layout([(torch.float32, 10), (torch.float64, 20), (torch.float32, 30), (torch.float64, 40),
+                    (torch.float32, 4)])
+    spans = plan_buckets(mixed, [10, 20, 30, 40, 4], cap_bytes=1e9, tail=1)
+    assert [(b.segment, b.params) for b in spans] == [(1, (3,)), (0, (2,)), (1, (1,)), (0, (0,)), (0, ())]
+    covered = {0: [], 1: []}
+    for b in spans:
+        covered[b.segment].append((b.lo, b.hi))
+    for seg, parts in covered.items():  # disjoint, and together the whole segment
+        parts.sort()
+        assert parts[0][0] == 0 and parts[-1][1] == mixed.numels[seg]
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
     for b in buckets[:-1]:  # contiguous spans, from the first tensor's start to the last's end
         assert b.lo == layout.places[b.params[-1]][1]
         assert b.hi == (layout.places[b.params[0] + 1][1] if b.params[0] + 1 < len(numels)
