@@ -124,15 +124,16 @@ def test_resume_on_another_number_of_ranks_restarts_the_interrupted_epoch(tmp_pa
 
 def test_trainer_flags_sharded_lars_scaled_step_schedule_test_file_bar_and_saves(tmp_path, cache):
     """One run through flags that no other test takes: --inter-node sharded (2 virtual nodes),
-    --optimizer lars, --scale-lr, --schedule step, --test-data with its own keys, --progress bar,
-    --save-every with --keep-checkpoints."""
+    --overlap with small buckets (averaged across nodes inside backward), --optimizer lars,
+    --scale-lr, --schedule step, --test-data with its own keys, --progress bar, --save-every
+    with --keep-checkpoints."""
     test_file = tmp_path / "test.h5"
     generated = ensure_mnist1d(cache, num_samples=2500)  # the file --mnist1d-samples 2000 uses
     with h5py.File(generated, "r") as f, h5py.File(test_file, "w") as out:
         out["inputs"], out["labels"] = f["x_test"][:300], f["y_test"][:300]
     run = tmp_path / "run"
     proc = train(2, [*SMALL, "--model", "mlp", "--run-dir", str(run), "--log-every", "10",
-                     "--inter-node", "sharded", "--ranks-per-node", "1",
+                     "--inter-node", "sharded", "--ranks-per-node", "1", "--overlap", "--bucket-cap-mb", "0.01",
                      "--optimizer", "lars", "--lr", "20", "--scale-lr",  # 20 * 64 / 256 = 5
                      "--schedule", "step", "--milestones", "1",
                      "--test-data", str(test_file), "--test-x-key", "inputs", "--test-y-key", "labels",
