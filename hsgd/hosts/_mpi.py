@@ -1,0 +1,94 @@
+"""Starting MPI ranks on emulated hosts, with TCP forced between them.
+
+Both launchers start their daemons through a remote shell, called as
+``RSH [options] HOST COMMAND...``; for emulated hosts that shell is a small
+script (written once per run, :func:`write_rsh`) that runs ``COMMAND`` in
+``HOST``'s UTS and network namespaces (``nsenter --uts`` then ``ip netns
+exec``, which also gives the host its own ``/sys/class/net``):
+
+- MPICH (hydra): ``mpiexec -launcher ssh -launcher-exec RSH -iface BRIDGE
+  -hosts A1:K1,A2:K2 -n N ...``; the proxies call back to ``mpiexec`` on the
+  bridge's address.
+- Open MPI (PRRTE): ``mpiexec --mca plm_rsh_agent RSH --host A1:K1,A2:K2 -n N
+  ...``, its daemons' and the byte transfer layer's TCP kept on the hosts'
+  subnet, no binding to cores (every host shares this machine's cores).
+
+Ranks fill the hosts in order: ranks ``0..K1-1`` on the first host, and so on.
+
+Every host runs on one kernel, so an MPI that looks for shared memory finds
+it between the hosts too, and the bytes never cross the links:
+
+- MPICH's default UCX network module uses shared memory between ranks of one
+  kernel: :func:`tcp_env` sets ``UCX_TLS=tcp,self`` (and ``FI_PROVIDER=tcp``
+  for MPICH's OFI module). Ranks on one host still meet through MPICH's own
+  shared memory, as on a real node.
+- Open MPI's UCX components would do the same: the command asks for the
+  ``ob1`` messaging layer over ``tcp,sm,self`` (``sm`` only between ranks
+  that PRRTE places on one host) and one-sided operations over it.
+
+:meth:`hsgd.hosts.EmulatedHosts.counters` then shows what crossed.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+__all__ = ["write_rsh", "launch_command", "tcp_env"]
+
+
+def write_rsh(state: Dict) -> str:
+    """Write the run's remote shell script; return its path."""
+    cases = "\n".join(
+        f"  {h['address']}|{h['name']}) ns={shlex.quote(h['netns'])}; uts={shlex.quote(h['uts'])};;"
+        for h in state["hosts"])
+    script = f"""#!/bin/sh
+# hsgd.hosts, run {state['id']}: the remote shell that MPI's launchers call as
+# "$0 [options] HOST COMMAND...": COMMAND runs on the emulated host HOST.
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -o|-l|-p|-i|-F) shift 2;;
+    -*) shift;;
+    *) break;;
+  esac
+done
+host=$1
+shift
+case "$host" in
+{cases}
+  *) echo "hsgd.hosts: no emulated host '$host' in run {state['id']}" >&2; exit 255;;
+esac
+exec nsenter --uts="$uts" -- ip netns exec "$ns" sh -c "$*"
+"""
+    path = Path(state["dir"]) / "rsh"
+    path.write_text(script)
+    os.chmod(path, 0o755)
+    return str(path)
+
+
+def launch_command(state: Dict, rsh: str, launcher: str, flavour: str, ranks_per_host: Sequence[int],
+                   args: Sequence[str]) -> List[str]:
+    """``mpiexec`` (``launcher``, an ``"mpich"`` or ``"openmpi"`` one) running ``args`` with
+    ``ranks_per_host[i]`` ranks on host ``i``."""
+    placed = [(h, k) for h, k in zip(state["hosts"], ranks_per_host) if k > 0]
+    hosts = ",".join(f"{h['address']}:{k}" for h, k in placed)
+    total = str(sum(k for _, k in placed))
+    if flavour == "openmpi":
+        subnet = state["subnet"]
+        return [launcher, "--mca", "plm_rsh_agent", rsh, "--host", hosts, "-n", total, "--bind-to", "none",
+                "--mca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet,
+                "--mca", "pml", "ob1", "--mca", "btl", "tcp,sm,self", *args]
+    return [launcher, "-launcher", "ssh", "-launcher-exec", rsh, "-iface", state["bridge"], "-hosts", hosts,
+            "-n", total, *args]
+
+
+def tcp_env(flavour: str) -> Dict[str, str]:
+    """The variables that keep the MPI's bytes between hosts on TCP (see the module doc)."""
+    if flavour == "openmpi":
+        # The hosts share this machine's cores, which PRRTE does not know: without yielding, a
+        # rank that polls starves the others (an 8 MB allreduce on 2+2 ranks, 2 cores: 1 s, 25 ms).
+        return {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,sm,self", "OMPI_MCA_osc": "sm,rdma",
+                "OMPI_MCA_mpi_yield_when_idle": "1"}
+    return {"UCX_TLS": "tcp,self", "FI_PROVIDER": "tcp"}
