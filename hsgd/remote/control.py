@@ -31,12 +31,14 @@ def _word(value: int) -> list:
 class ControlWords:
     """The version counter and the lock word on ``root``. Collective to build and to free.
 
+    ``bells``: the region's :class:`~hsgd.remote.progress.Doorbells`, rung before each operation.
+
     The caller makes the zeroed words visible to all ranks with a barrier
     after construction (``RemoteMemory`` does, once for both its windows).
     """
 
-    def __init__(self, comm, root: int, info):
-        self.root = root
+    def __init__(self, comm, root: int, info, bells):
+        self.root, self._bells = root, bells
         self._me = comm.Get_rank() + 1  # the lock word holds the holder's rank + 1
         self._win = MPI.Win.Allocate(16 if comm.Get_rank() == root else 0, 8, info, comm)
         self._win.Lock_all(MPI.MODE_NOCHECK)
@@ -46,11 +48,13 @@ class ControlWords:
         self.held = False
 
     def bump_version(self) -> None:
+        self._bells.ring(self.root)
         self._win.Accumulate(_word(1), self.root, (_VERSION, 1, MPI.INT64_T), MPI.SUM)
         self._win.Flush(self.root)
 
     def version(self) -> int:
         result = _word(0)
+        self._bells.ring(self.root)
         self._win.Fetch_and_op(_word(0), result, self.root, _VERSION, MPI.NO_OP)
         self._win.Flush(self.root)
         return int(result[0][0])
@@ -62,6 +66,7 @@ class ControlWords:
         me, free, result = _word(self._me), _word(_FREE), _word(0)
         wait = _BACKOFF_S[0]
         while True:
+            self._bells.ring(self.root)
             self._win.Compare_and_swap(me, free, result, self.root, _LOCK)
             self._win.Flush(self.root)
             if result[0][0] == _FREE:
@@ -72,6 +77,7 @@ class ControlWords:
 
     def release(self) -> None:
         me, free, result = _word(self._me), _word(_FREE), _word(0)
+        self._bells.ring(self.root)
         self._win.Compare_and_swap(free, me, result, self.root, _LOCK)
         self._win.Flush(self.root)
         self.held = False

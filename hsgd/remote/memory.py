@@ -42,10 +42,13 @@ How it works, and why so:
   whatever node.
 - Transfers go in chunks of at most ``chunk_bytes`` (4 MiB by default):
   single multi-hundred-megabyte RMA operations stall on some MPIs.
-- Across nodes, an owner that runs no MPI calls still serves operations when
+- Across hosts, an owner that runs no MPI calls still serves operations when
   the network does RMA in hardware (InfiniBand, RoCE, Slingshot through UCX
-  or libfabric). Over plain TCP the owner's MPI library moves the data, so it
-  must make progress: with MPICH set ``MPIR_CVAR_ASYNC_PROGRESS=1``.
+  or libfabric). Over plain TCP the owner's MPI library moves the data, so
+  it must make progress: a region whose ranks span hosts rings a doorbell
+  on the owner before each operation, and the owner runs a progress thread
+  of hsgd's own that polls MPI while doorbells come in, and backs off to a
+  slow poll when none do (:mod:`hsgd.remote.progress`). Nothing to set.
 - The lock and the version counter live in a small second window on
   ``owners[0]``, driven the same way (``Compare_and_swap`` and
   ``Fetch_and_op``). mpi4py's ``util.sync.Mutex`` and ``Counter`` are the
@@ -60,8 +63,10 @@ its arguments on every rank and agrees, so a bad value raises the same
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from contextlib import contextmanager
-from typing import List, Optional, Sequence, Tuple
+from typing import Deque, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -71,6 +76,7 @@ from .._engine.traffic import Traffic
 from ..topology import Topology
 from .control import ControlWords
 from .layout import DTYPES, agree_owners, pieces, shard_bounds
+from .progress import Doorbells
 
 __all__ = ["RemoteMemory", "DTYPES", "DEFAULT_CHUNK_BYTES"]
 
@@ -111,7 +117,8 @@ class RemoteMemory:
         info = MPI.Info.Create()
         info.update({"accumulate_ordering": "none", "same_disp_unit": "true"})
         self._win = MPI.Win.Allocate(shard * self.itemsize, self.itemsize, info, comm)
-        self._ctl = ControlWords(comm, owners[0], info)
+        self._bells = Doorbells(comm, serves=rank in owners)
+        self._ctl = ControlWords(comm, owners[0], info, self._bells)
         info.Free()
         self._win.Lock_all(MPI.MODE_NOCHECK)
         # Zero the own shard (Win.Allocate does not), then make it visible to all.
@@ -122,6 +129,8 @@ class RemoteMemory:
         self._direct = {owner: view for owner in self._local
                         if (view := self._shared_view(owner)) is not None}
         self._pending: Optional[Tuple[np.ndarray, List[int]]] = None
+        self._posted: Deque[Tuple[MPI.Request, np.ndarray]] = deque()  # accumulate_nowait's
+        self._reading: Optional[Tuple[List[MPI.Request], np.ndarray]] = None  # read_within's
         self._closed = False
 
     def _shared_view(self, owner: int) -> Optional[np.ndarray]:
@@ -169,6 +178,7 @@ class RemoteMemory:
 
     def _rma(self, op: str, owner: int, buf: np.ndarray, disp: int, flush: bool = True) -> None:
         for lo in range(0, len(buf), self._chunk):
+            self._bells.ring(owner)
             part = buf[lo:lo + self._chunk]
             spec, target = [part, self._mpi_type], (disp + lo, len(part), self._mpi_type)
             if op == "put":
@@ -249,9 +259,58 @@ class RemoteMemory:
             return
         _, owners = self._pending
         for owner in owners:
+            self._bells.ring(owner)
             self._win.Flush(owner)
         self._pending = None
         self._ctl.bump_version()
+
+    def accumulate_nowait(self, offset: int, tensor: torch.Tensor, op: str = "sum") -> None:
+        """Issue an element-wise ``op`` (``"sum"`` or ``"max"``) of ``tensor`` into the region and
+        return without waiting for it, nor ringing the owner: it lands when the owner's MPI
+        next makes progress (at the latest in :meth:`close`). Atomic per element like
+        :meth:`accumulate`, but it does not count in :attr:`version`. ``tensor`` is copied, so
+        the caller may change it at once. For a rank's own slot of a status board, updated on
+        a hot path (the stall inspector's): with ``"max"`` and growing values the order in
+        which such updates land does not matter."""
+        offset = self._check_transfer("accumulate_nowait", offset, tensor)
+        if op not in ("sum", "max"):
+            raise ValueError(f"accumulate_nowait: op must be 'sum' or 'max', got {op!r}")
+        while self._posted and self._posted[0][0].Test():
+            self._posted.popleft()
+        if len(self._posted) >= 64:  # the owner has not made progress for a while: do not pile up
+            self._posted.popleft()[0].Wait()
+        src = tensor.detach().reshape(-1).cpu().numpy().copy()
+        mpi_op = MPI.SUM if op == "sum" else MPI.MAX
+        for owner, first, stop, disp in pieces(self._starts, self.owners, offset, src.size):
+            part = src[first:stop]
+            request = self._win.Raccumulate([part, self._mpi_type], owner, (disp, len(part), self._mpi_type), mpi_op)
+            self._posted.append((request, part))
+            self._count(owner, stop - first)
+
+    def read_within(self, offset: int, out: torch.Tensor, timeout: float) -> bool:
+        """:meth:`read`, giving up after ``timeout`` seconds if an owner does not answer (a host
+        that died, a process stopped): returns whether ``out`` was filled. A read given up on
+        stays under way; the next call waits for it (within its own ``timeout``) first."""
+        offset = self._check_transfer("read_within", offset, out)
+        deadline = time.monotonic() + timeout
+        if self._reading is None:
+            dst, requests = np.empty(out.numel(), dtype=self._np_dtype), []
+            for owner, first, stop, disp in pieces(self._starts, self.owners, offset, dst.size):
+                self._bells.ring(owner)
+                part = dst[first:stop]
+                requests.append(self._win.Rget([part, self._mpi_type], owner, (disp, len(part), self._mpi_type)))
+                self._count(owner, stop - first)
+            self._reading = (requests, dst)
+        requests, dst = self._reading
+        while not MPI.Request.Testall(requests):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(1e-3)
+        self._reading = None
+        if dst.size != out.numel():  # the read given up on earlier was of another size
+            return self.read_within(offset, out, max(0.0, deadline - time.monotonic()))
+        out.copy_(torch.from_numpy(dst).view(out.shape))
+        return True
 
     @property
     def version(self) -> int:
@@ -306,9 +365,15 @@ class RemoteMemory:
         self.accumulate_wait()
         self._closed = True
         self._direct.clear()
+        MPI.Request.Waitall([request for request, _ in self._posted])
+        self._posted.clear()
+        if self._reading is not None:
+            MPI.Request.Waitall(self._reading[0])
+            self._reading = None
         self._win.Unlock_all()
         self._win.Free()
         self._ctl.free()
+        self._bells.close()
 
     def __enter__(self) -> RemoteMemory:
         return self
