@@ -96,9 +96,12 @@ class SyncMode(torch.optim.Optimizer):
             (:mod:`hsgd.compression`).
         broadcast: copy parameters and buffers from rank 0 at construction.
         settings: the subclass's own arguments, checked by :meth:`_check`.
-        stall_timeout, stall_abort: the stall inspector's (:mod:`hsgd.faults.stall`): report
-            the ranks missing from a synchronization after this many seconds (default
-            ``HSGD_STALL_TIMEOUT`` or 60; 0: off) and with ``stall_abort`` abort the job.
+        stall_timeout, stall_abort, stall_abort_after: the stall inspector's
+            (:mod:`hsgd.faults.stall`): report the ranks missing from a synchronization after
+            ``stall_timeout`` seconds (default ``HSGD_STALL_TIMEOUT`` or 60; 0: off, the abort
+            included), abort the job after a wait of ``stall_abort_after`` seconds (default
+            ``HSGD_STALL_ABORT_AFTER`` or 600; 0: never), or after the first report with
+            ``stall_abort`` (default ``HSGD_STALL_ABORT``).
     """
 
     name: ClassVar[str] = ""
@@ -112,7 +115,7 @@ class SyncMode(torch.optim.Optimizer):
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
                  compression=None, broadcast=True, settings: Dict[str, object], stall_timeout=None,
-                 stall_abort=None):
+                 stall_abort=None, stall_abort_after=None):
         self._closed = True
         self._shares, self._weights = None, {}
         self._init_optimizer_hooks()
@@ -121,7 +124,7 @@ class SyncMode(torch.optim.Optimizer):
         try:
             self._setup(optimizer, (model, named_parameters), inter_node, compression, broadcast, settings)
             try:
-                self.stall = StallInspector(self.topology.comm, stall_timeout, stall_abort)
+                self.stall = StallInspector(self.topology.comm, stall_timeout, stall_abort, stall_abort_after)
             except BaseException:
                 self._teardown()
                 raise

@@ -1,13 +1,23 @@
-"""Stall inspector: when ranks wait too long in a synchronization, name the ones missing.
+"""Stall inspector: when ranks wait too long in a synchronization, name the ones missing, and
+end a job that waits for good.
 
 In the manner of Horovod's stall inspector and torch's ``monitored_barrier``:
-every rank publishes, before it enters a synchronization, how many it has
-entered and at which step, into a small :class:`~hsgd.remote.RemoteMemory`
-board on rank 0 (two int64 stores where rank 0's memory is mapped, on its
-node; a 16-byte RMA put otherwise). A watchdog thread on each rank wakes every
-``timeout / 4`` seconds (at most every second); if its rank has been waiting
-in the same synchronization for ``timeout`` seconds, it reads the board (a
-one-sided read: the ranks stuck in MPI need not answer) and writes to stderr::
+before it enters a synchronization, every rank publishes how many it has
+entered and at which step, as one int64 in a small
+:class:`~hsgd.remote.RemoteMemory` board on rank 0. On rank 0's host that is
+one store into rank 0's memory; from another host, an element-wise ``MAX``
+accumulate that is issued and never waited for
+(:meth:`~hsgd.remote.RemoteMemory.accumulate_nowait`): it lands when rank 0's
+MPI next makes progress, and since the value only grows, the order in which
+such updates land does not matter. So publishing costs a few microseconds
+and no round trip, on any network. (It used to be a put and a flush: a round
+trip to rank 0 per step, 22 ms of a 95 ms step across two hosts at 1 Gbit/s.)
+
+A watchdog thread on each rank wakes every ``timeout / 4`` seconds (at most
+every second); if its rank has been waiting in the same synchronization for
+``timeout`` seconds, it reads the board (a one-sided read: the ranks stuck
+need not answer; given up after a few seconds if rank 0 itself does not
+answer) and writes to stderr::
 
     [rank 0] hsgd stall: waiting 60 s in synchronization #118 (step 117, step()); missing: rank 2 (last at step 103)
 
@@ -15,17 +25,24 @@ and again every ``timeout`` seconds while the wait lasts. The missing ranks
 are exactly those that have entered fewer synchronizations than this rank;
 in the lockstep modes every rank enters the same ones, so a rank that
 arrived is never named. In the modes whose ranks do not step together (the
-parameter box, gossip) the ranks named are those behind this one. With
-``abort`` the job is aborted (``MPI_Abort``) after the first report.
+parameter box, gossip) the ranks named are those behind this one.
 
 When every rank has entered (the board names no one), the wait is most
 likely ending at that instant: the report waits one more period and is made,
 as ``missing: none (all arrived)``, only if the wait outlasts it (a hung
 network or MPI progress, not a missing rank).
 
+A wait that lasts ``abort_after`` seconds (default ``HSGD_STALL_ABORT_AFTER``
+or 600, as torch's NCCL watchdog; 0: never) is reported, then the job is
+aborted (``MPI_Abort``): a lost host or a partitioned network ends the job
+instead of holding its allocation forever. With ``abort``
+(``HSGD_STALL_ABORT=1``) the job is aborted after the first report already.
+If ``MPI_Abort`` itself cannot reach the launcher (it waits on a host that is
+gone), the process exits after :data:`EXIT_GRACE_S` seconds.
+
 ``timeout`` defaults to ``HSGD_STALL_TIMEOUT`` (seconds, default 60; 0
-disables the inspector: no board, no thread) and ``abort`` to
-``HSGD_STALL_ABORT=1``. The ranks must agree on both.
+disables the inspector, its abort included: no board, no thread). The ranks
+must agree on all three.
 """
 
 from __future__ import annotations
@@ -35,29 +52,44 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from .._engine.agree import collective_error
 from ..errors import InputValueError
 
-__all__ = ["StallInspector", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "ABORT_ENV"]
+__all__ = ["StallInspector", "DEFAULT_TIMEOUT_S", "DEFAULT_ABORT_AFTER_S", "TIMEOUT_ENV", "ABORT_ENV",
+           "ABORT_AFTER_ENV", "EXIT_GRACE_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
-TIMEOUT_ENV, ABORT_ENV = "HSGD_STALL_TIMEOUT", "HSGD_STALL_ABORT"
+DEFAULT_ABORT_AFTER_S = 600.0
+TIMEOUT_ENV, ABORT_ENV, ABORT_AFTER_ENV = "HSGD_STALL_TIMEOUT", "HSGD_STALL_ABORT", "HSGD_STALL_ABORT_AFTER"
+EXIT_GRACE_S = 20.0   # after MPI_Abort, if the process is still alive
+_READ_TIMEOUT_S = 5.0  # how long a report waits for rank 0's board
+_STEP_BITS = 32        # a board word: (synchronizations entered << 32) | step
 
 
-def _settings(timeout: Optional[float], abort: Optional[bool]):
-    if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+def _seconds(value, env: str, default: float) -> float:
+    if value is None:
+        raw = os.environ.get(env, "").strip()
         try:
-            timeout = float(raw) if raw else DEFAULT_TIMEOUT_S
+            value = float(raw) if raw else default
         except ValueError:
-            timeout = float("nan")
+            value = float("nan")
+    return value
+
+
+def _settings(timeout, abort, abort_after) -> Tuple[float, bool, float]:
+    timeout = _seconds(timeout, TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+    abort_after = _seconds(abort_after, ABORT_AFTER_ENV, DEFAULT_ABORT_AFTER_S)
     if abort is None:
         abort = os.environ.get(ABORT_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
-    return timeout, bool(abort)
+    return timeout, bool(abort), abort_after
+
+
+def _valid(seconds) -> bool:
+    return isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds < float("inf")
 
 
 class StallInspector:
@@ -66,33 +98,37 @@ class StallInspector:
     Args:
         comm: the ranks that synchronize.
         timeout: seconds of waiting before a report (``None``: ``HSGD_STALL_TIMEOUT`` or 60;
-            0 disables).
+            0 disables the inspector).
         abort: abort the job after the first report (``None``: ``HSGD_STALL_ABORT``).
+        abort_after: abort the job after a wait this long (``None``: ``HSGD_STALL_ABORT_AFTER``
+            or 600; 0: never).
     """
 
-    def __init__(self, comm, timeout: Optional[float] = None, abort: Optional[bool] = None):
-        timeout, abort = _settings(timeout, abort)
-        every = comm.allgather((timeout, abort))
-        if any(not (isinstance(t, (int, float)) and t >= 0 and t != float("inf")) for t, _ in every):
-            raise collective_error(InputValueError, f"Invalid stall timeout {timeout!r} (argument stall_timeout "
-                                   f"or {TIMEOUT_ENV}); use seconds >= 0 (0 disables the stall inspector)")
-        if len(set(every)) > 1:
-            raise collective_error(InputValueError, "ranks were given different stall timeouts or stall_abort "
-                                   f"({every}); set {TIMEOUT_ENV}/{ABORT_ENV} alike on every rank")
+    def __init__(self, comm, timeout: Optional[float] = None, abort: Optional[bool] = None,
+                 abort_after: Optional[float] = None):
+        timeout, abort, abort_after = _settings(timeout, abort, abort_after)
+        every = comm.allgather((timeout, abort, abort_after))
+        if any(not (_valid(t) and _valid(a)) for t, _, a in every):
+            raise collective_error(InputValueError, f"Invalid stall timeout {timeout!r} or abort-after "
+                                   f"{abort_after!r} (arguments stall_timeout, stall_abort_after or "
+                                   f"{TIMEOUT_ENV}, {ABORT_AFTER_ENV}); use seconds >= 0 (0 disables)")
+        if len(set(map(repr, every))) > 1:
+            raise collective_error(InputValueError, "ranks were given different stall settings "
+                                   f"({every}); set {TIMEOUT_ENV}/{ABORT_ENV}/{ABORT_AFTER_ENV} alike on every rank")
         from mpi4py import MPI
 
-        self.timeout, self.abort = float(timeout), abort
+        self.timeout, self.abort, self.abort_after = float(timeout), abort, float(abort_after)
         self.comm, self.rank = comm, comm.Get_rank()
         self._threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE  # may the watchdog call MPI?
         self.entered, self._step, self._what, self._since = 0, 0, "", None
-        self._mine = torch.zeros(2, dtype=torch.int64)
+        self._word = torch.zeros(1, dtype=torch.int64)
         self.board, self._slot, self._thread, self._stop = None, None, None, threading.Event()
         if self.timeout > 0:
             from ..remote.memory import RemoteMemory
 
-            self.board = RemoteMemory(comm, 2 * comm.Get_size(), dtype=torch.int64, owners=[0])
+            self.board = RemoteMemory(comm, comm.Get_size(), dtype=torch.int64, owners=[0])
             view = self.board.direct_view(0)
-            self._slot = None if view is None else view[2 * self.rank:2 * self.rank + 2]
+            self._slot = None if view is None else view[self.rank:self.rank + 1]
             self._thread = threading.Thread(target=self._watch, name="hsgd-stall-inspector", daemon=True)
             self._thread.start()
 
@@ -109,11 +145,12 @@ class StallInspector:
             return
         self.entered += 1
         self._step, self._what = int(step), what
-        if self._slot is not None:  # rank 0's board is mapped here: two stores
-            self._slot[0], self._slot[1] = self.entered, self._step
+        word = (self.entered << _STEP_BITS) | (self._step & ((1 << _STEP_BITS) - 1))
+        if self._slot is not None:  # rank 0's board is mapped here: one store
+            self._slot[0] = word
         else:
-            self._mine[0], self._mine[1] = self.entered, self._step
-            self.board.write(2 * self.rank, self._mine)
+            self._word[0] = word
+            self.board.accumulate_nowait(self.rank, self._word, op="max")
         self._since = time.monotonic()
         try:
             yield
@@ -130,10 +167,11 @@ class StallInspector:
                 continue
             waited = time.monotonic() - since
             count = reported[1] if reported[0] == since else 0
-            if waited < self.timeout * (count + 1):
+            ending = self.abort_after > 0 and waited >= self.abort_after
+            if waited < self.timeout * (count + 1) and not ending:
                 continue
             names = self._missing()
-            if names is None and arrived != since:
+            if names is None and arrived != since and not ending:
                 # Every rank has entered: the wait is most likely ending right now. Report
                 # "all arrived" (a hung network, not a missing rank) only if it outlasts a period.
                 arrived = since
@@ -142,21 +180,34 @@ class StallInspector:
                 continue
             reported = (since, count + 1)
             self._report(waited, names or "none (all arrived)")
-            if self.abort:
-                from mpi4py import MPI
+            if self.abort or ending:
+                why = f"{ABORT_ENV}/stall_abort" if self.abort else \
+                    f"waited {self.abort_after:g} s: {ABORT_AFTER_ENV}/stall_abort_after"
+                self._abort(why)
 
-                sys.stderr.write(f"[rank {self.rank}] hsgd stall: aborting the job ({ABORT_ENV}/stall_abort)\n")
-                sys.stderr.flush()
-                MPI.COMM_WORLD.Abort(1)
+    def _abort(self, why: str) -> None:
+        from mpi4py import MPI
+
+        sys.stderr.write(f"[rank {self.rank}] hsgd stall: aborting the job ({why})\n")
+        sys.stderr.flush()
+        # MPI_Abort may wait for a launcher that waits for a lost host: leave anyway.
+        threading.Timer(EXIT_GRACE_S, os._exit, (1,)).start()
+        MPI.COMM_WORLD.Abort(1)
 
     def _missing(self) -> Optional[str]:
         """The ranks that have not entered this rank's synchronization, named with their
         last step; ``None`` if every rank has entered."""
         if not self._threads:
             return "unknown (MPI was initialized without MPI_THREAD_MULTIPLE)"
-        board = torch.empty(2 * self.comm.Get_size(), dtype=torch.int64)
-        self.board.read(0, board)
-        entered, steps = board[0::2].tolist(), board[1::2].tolist()
+        board = torch.empty(self.comm.Get_size(), dtype=torch.int64)
+        if self._slot is not None:
+            self.board.read(0, board)
+        elif not self.board.read_within(0, board, _READ_TIMEOUT_S):
+            return (f"unknown: rank 0, which holds the board, did not answer for {_READ_TIMEOUT_S:g} s "
+                    "(its host or its network may be gone)")
+        words = board.tolist()
+        entered = [w >> _STEP_BITS for w in words]
+        steps = [w & ((1 << _STEP_BITS) - 1) for w in words]
         missing = [r for r, n in enumerate(entered) if n < self.entered]
         return ", ".join(f"rank {r} (last at step {steps[r]})" if entered[r] else
                          f"rank {r} (no synchronization yet)" for r in missing) or None

@@ -94,7 +94,7 @@ class HierarchicalSGD(SyncMode):
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
                  compression=None, backward_passes_per_step=1, overlap=False, bucket_cap_mb=DEFAULT_BUCKET_MB,
-                 broadcast=True, stall_timeout=None, stall_abort=None):
+                 broadcast=True, stall_timeout=None, stall_abort=None, stall_abort_after=None):
         self.backward_passes_per_step = backward_passes_per_step
         self.overlap, self.bucket_cap_mb = overlap, bucket_cap_mb
         self._overlap = None
@@ -104,7 +104,8 @@ class HierarchicalSGD(SyncMode):
                          inter_node=inter_node, compression=compression, broadcast=broadcast,
                          settings={"backward_passes_per_step": backward_passes_per_step, "overlap": overlap,
                                    "bucket_cap_mb": bucket_cap_mb},
-                         stall_timeout=stall_timeout, stall_abort=stall_abort)
+                         stall_timeout=stall_timeout, stall_abort=stall_abort,
+                         stall_abort_after=stall_abort_after)
 
     def _check(self, backward_passes_per_step, overlap, bucket_cap_mb) -> None:
         check_int("backward_passes_per_step", backward_passes_per_step)

@@ -159,12 +159,13 @@ class ElasticSGD(BoxMode):
     config_fields = ("alpha", "tau")
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, alpha=0.2, tau=1,
-                 broadcast=True, stall_timeout=None, stall_abort=None):
+                 broadcast=True, stall_timeout=None, stall_abort=None, stall_abort_after=None):
         self.alpha, self.tau, self._delta = alpha, tau, None
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          broadcast=broadcast,
                          settings={"alpha": alpha, "tau": tau}, stall_timeout=stall_timeout,
-                         stall_abort=stall_abort)
+                         stall_abort=stall_abort,
+                         stall_abort_after=stall_abort_after)
 
     def _check(self, alpha, tau) -> None:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
@@ -204,11 +205,12 @@ class AsyncSGD(BoxMode):
     config_fields = ()
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, broadcast=True,
-                 stall_timeout=None, stall_abort=None):
+                 stall_timeout=None, stall_abort=None, stall_abort_after=None):
         self._change = None
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          broadcast=broadcast, settings={},
-                         stall_timeout=stall_timeout, stall_abort=stall_abort)
+                         stall_timeout=stall_timeout, stall_abort=stall_abort,
+                         stall_abort_after=stall_abort_after)
 
     def _step(self) -> None:
         self._binding.gather()
