@@ -1,6 +1,7 @@
 """Shared fixtures for the MPI tests: a fixed batch, its shards, small models."""
 
 import torch
+from mpi4py import MPI
 
 GLOBAL_BATCH = 120  # divisible by 2 x every world size the driver runs (1-5)
 
@@ -24,13 +25,37 @@ def mlp(dtype=torch.float64, features=8, hidden=16, classes=3, seed=0):
         torch.nn.Linear(hidden, classes)).to(dtype)
 
 
-def equal_nodes(size):
-    """A ``ranks_per_node`` that splits ``size`` ranks into nodes of equal size, more than one
-    node when ``size > 1`` (2 x 2 at 4 ranks, else nodes of one rank): ``inter_node='sharded'``
-    then runs at every world size instead of falling back to ``'leader'``."""
-    return 2 if size > 2 and size % 2 == 0 else 1
+def hosts(comm):
+    """The world ranks on each host, hosts ordered by their lowest rank: from the host names,
+    independently of hsgd's ``Topology`` (one host under a plain ``mpiexec``; the emulated
+    hosts of ``tests/hosts``, each with its own hostname)."""
+    names = comm.allgather(MPI.Get_processor_name())
+    ranks = {}
+    for rank, name in enumerate(names):
+        ranks.setdefault(name, []).append(rank)
+    return sorted(ranks.values())
+
+
+def expected_nodes(comm, ranks_per_node):
+    """The nodes ``Topology.from_comm(comm, ranks_per_node)`` must make, as lists of world
+    ranks ordered by their lowest rank: each host (``None``), or each host cut into groups of
+    ``ranks_per_node`` consecutive ranks, the last one of a host possibly smaller."""
+    nodes = []
+    for ranks in hosts(comm):
+        per = ranks_per_node or len(ranks)
+        nodes += [ranks[i:i + per] for i in range(0, len(ranks), per)]
+    return sorted(nodes)
+
+
+def equal_nodes(comm):
+    """A ``ranks_per_node`` that splits the ranks into nodes of equal size, more than one
+    node when there is more than one rank (2 x 2 at 4 ranks, on one host or on two hosts of 2;
+    else nodes of one rank): ``inter_node='sharded'`` then runs at every world size instead of
+    falling back to ``'leader'``."""
+    even = all(len(ranks) % 2 == 0 for ranks in hosts(comm))
+    return 2 if comm.size > 2 and even else 1
 
 
 # The virtual node size each strategy is tested with: 'leader' on nodes of 2, uneven at 3 and 5
 # ranks; 'sharded' on equal nodes (it needs them).
-LAYOUTS = {"leader": lambda size: 2, "sharded": equal_nodes}
+LAYOUTS = {"leader": lambda comm: 2, "sharded": equal_nodes}

@@ -7,10 +7,11 @@ failed assertion on one rank must abort the job (tests/mpi/conftest.py), not run
 
 import pytest
 import torch
-from _models import LAYOUTS, fixed_batch, mlp, shard
+from _models import LAYOUTS, expected_nodes, fixed_batch, mlp, shard
 from _sgd import OPTIMIZERS, Branchy, assert_params_close, check_binding, reference
 
 from hsgd import HierarchicalLocalSGD, HierarchicalSGD, Topology, broadcast_parameters
+from hsgd._engine.traffic import allreduce_bytes
 from hsgd.replicas import average_buffers
 
 STEPS = 10
@@ -30,7 +31,7 @@ def test_equals_single_process(comm, dtype, inter_node, opt_name):
     x, y = fixed_batch(dtype)
     xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
     model = mlp(dtype, seed=comm.rank)  # different init: the broadcast must fix it
-    topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[inter_node](comm.size))
+    topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[inter_node](comm))
     opt = HierarchicalSGD(make_opt(model.parameters()), model, topology=topo, inter_node=inter_node)
     check_strategy(opt, topo, inter_node)
     for _ in range(STEPS):
@@ -234,7 +235,7 @@ def test_bad_argument_on_one_rank_raises_everywhere(comm):
 def test_parameter_averaging_fires_at_expected_steps(comm, intra, inter):
     """Rank r's gradient is r + 1; simulate every rank's scalar in plain floats."""
     topo = Topology.from_comm(comm, ranks_per_node=2)
-    nodes = [list(range(s, min(s + 2, comm.size))) for s in range(0, comm.size, 2)]
+    nodes = expected_nodes(comm, 2)
     model = torch.nn.Linear(1, 1, bias=False).double()
     opt = HierarchicalLocalSGD(torch.optim.SGD(model.parameters(), lr=1.0), model,
                                topology=topo, intra_period=intra, inter_period=inter)
@@ -378,7 +379,7 @@ def local_sgd_reference(node_sizes, rank, make_opt, steps, intra, inter):
 
 @pytest.mark.parametrize("inter_node", ["leader", "sharded"])
 def test_local_sgd_equals_a_one_process_simulation(comm, inter_node, binding):
-    topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[inter_node](comm.size))
+    topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[inter_node](comm))
     model = mlp(seed=comm.rank)  # different init: the broadcast must fix it
     make_opt = OPTIMIZERS["momentum_wd"]  # momentum stays each rank's own
     opt = HierarchicalLocalSGD(make_opt(model.parameters()), model, topology=topo, inter_node=inter_node,
@@ -436,16 +437,21 @@ def test_traffic_counters_match_the_closed_form(comm, inter_node):
     topo.close()
 
 
-def test_a_single_node_sends_nothing_across_nodes(comm):
+def test_without_virtual_nodes_the_hosts_are_the_nodes(comm):
+    """One host sends nothing across nodes; on several hosts (tests/hosts) each step is one
+    allreduce among the hosts' leaders, and each host averages inside itself."""
     model = torch.nn.Linear(8, 8).double()
     n = 512 + 64 + 64  # weight, bias, used flags (each on its own 64-byte line)
     topo = Topology.from_comm(comm)
-    assert topo.num_nodes == 1
+    nodes = expected_nodes(comm, None)
+    assert [list(topo.node_sizes), list(topo.node_ranks)] == [[len(r) for r in nodes],
+                                                             next(r for r in nodes if comm.rank in r)]
     total, _ = _traffic_of(lambda t: HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1),
                                                      model, topology=t), model, topo, steps=2)
     topo.close()
-    k = comm.size
-    assert total == {"inter_bytes": 0, "intra_bytes": 2 * 2 * (k - 1) * n}, total
+    intra = 2 * sum(2 * (len(ranks) - 1) * n for ranks in nodes)
+    inter = 2 * len(nodes) * allreduce_bytes(n, len(nodes))
+    assert total == {"inter_bytes": inter, "intra_bytes": intra}, (total, nodes)
 
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])

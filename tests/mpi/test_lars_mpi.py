@@ -57,7 +57,7 @@ def test_lars_equals_single_process(comm, inter_node, variant):
     xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
     model = mlp(DTYPE, seed=comm.rank)  # different init: the broadcast must fix it
     start = [p.detach().clone() for p in mlp(DTYPE).parameters()]
-    topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[inter_node](comm.size))
+    topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[inter_node](comm))
     inner, sched = make_lars(model.parameters(), variant)
     opt = HierarchicalSGD(inner, model, topology=topo, inter_node=inter_node)
     assert opt.averager.inter_node == inter_node  # no fallback

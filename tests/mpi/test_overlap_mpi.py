@@ -19,11 +19,12 @@ STEPS = 6
 TINY = 1e-6  # MiB: every tensor its own bucket
 
 
-@pytest.fixture(params=["one node", "leader", "sharded"])
+@pytest.fixture(params=["hosts", "leader", "sharded"])
 def layout(request, comm):
-    """Where the hooks communicate: one node (shared memory only), or 2+ virtual nodes with
-    either level-2 strategy (MPI calls inside backward). Yields HierarchicalSGD's arguments."""
-    rpn = None if request.param == "one node" else LAYOUTS[request.param](comm.size)
+    """Where the hooks communicate: the hosts as nodes (one host: shared memory only), or 2+
+    virtual nodes with either level-2 strategy (MPI calls inside backward). Yields
+    HierarchicalSGD's arguments."""
+    rpn = None if request.param == "hosts" else LAYOUTS[request.param](comm)
     topo = Topology.from_comm(comm, ranks_per_node=rpn)
     yield {"topology": topo, "inter_node": "sharded" if request.param == "sharded" else "leader"}
     topo.close()

@@ -4,26 +4,24 @@ import os
 
 import pytest
 import torch
+from _models import expected_nodes, hosts
 
 from hsgd import Topology
 
 
-def expected_nodes(size, rpn):
-    if rpn is None:
-        return [size]  # one physical host
-    return [min(rpn, size - start) for start in range(0, size, rpn)]
-
-
 @pytest.mark.parametrize("rpn", [1, 2, 3, None])
 def test_layout(comm, rpn):
+    """The nodes are the hosts (from the host names, not from MPI), cut into virtual nodes of
+    ``rpn`` consecutive ranks: one host under a plain mpiexec, several in tests/hosts."""
     topo = Topology.from_comm(comm, ranks_per_node=rpn)  # closed at the end: see test_hsgd_mpi.py
-    sizes = expected_nodes(comm.size, rpn)
-    assert list(topo.node_sizes) == sizes
-    assert topo.num_nodes == len(sizes)
-    per = rpn or comm.size
-    assert topo.node_index == comm.rank // per
-    assert topo.local_rank == comm.rank % per
-    assert topo.local_size == sizes[topo.node_index]
+    nodes = expected_nodes(comm, rpn)
+    mine = next(i for i, ranks in enumerate(nodes) if comm.rank in ranks)
+    assert list(topo.node_sizes) == [len(ranks) for ranks in nodes]
+    assert topo.num_nodes == len(nodes)
+    assert topo.node_index == mine
+    assert list(topo.node_ranks) == nodes[mine]
+    assert topo.local_rank == nodes[mine].index(comm.rank)
+    assert topo.local_size == len(nodes[mine])
     assert topo.is_leader == (topo.local_rank == 0)
     assert (topo.leader_comm is not None) == topo.is_leader
     if topo.is_leader:
@@ -35,7 +33,7 @@ def test_layout(comm, rpn):
 def test_env_variable(comm, monkeypatch):
     monkeypatch.setenv("HSGD_RANKS_PER_NODE", "2")
     topo = Topology.from_comm(comm)
-    assert list(topo.node_sizes) == expected_nodes(comm.size, 2)
+    assert list(topo.node_sizes) == [len(ranks) for ranks in expected_nodes(comm, 2)]
     topo.close()
     topo = Topology.from_comm(comm, ranks_per_node=1)  # argument wins
     assert topo.num_nodes == comm.size
@@ -75,7 +73,8 @@ def test_trainer_threads_share_the_host_not_the_virtual_node(comm, shared_dir, m
         cfg = parse_config(["--ranks-per-node", "1", "--run-dir", str(shared_dir / "threads")], quiet=True)
         topo = setup(cfg, comm)[0]
         assert topo.local_size == 1
-        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // comm.size)
+        on_host = next(len(ranks) for ranks in hosts(comm) if comm.rank in ranks)
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // on_host)
         topo.close()
     finally:
         torch.set_num_threads(threads)
