@@ -1,6 +1,6 @@
 """Every test leaves nothing behind in ``/dev/shm`` or (Hydra's files) ``/tmp``.
 
-Launches through ``tests/e2e/mpirun.py`` clean up what their own job left;
+Launches through ``tests/mpirun.py`` clean up what their own job left;
 this hook catches the rest, *per test*: whatever is new after a test's
 teardown (module fixtures included, so Slurm jobs too) and used by no live
 process is removed, and the test errors at teardown naming the files. So a

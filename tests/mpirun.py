@@ -33,7 +33,7 @@ from leftovers import leftovers, remove, snapshot
 
 from hsgd.bench._launch import descendants  # the same process-tree walk as the benchmarks' launcher
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = int(os.environ.get("HSGD_MPI_TEST_TIMEOUT", "420"))
 # torch's own per-user compile cache (made in TMPDIR by the first optimizer step):
 # meant to outlive the job, so not counted as left behind (but removed with the rest).
