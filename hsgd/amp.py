@@ -22,7 +22,8 @@ the process runs its first oneDNN kernel (checked with ``ONEDNN_VERBOSE=1``:
 ``os.environ`` set before that caps the ISA, set after it changes nothing),
 and the library cannot tell whether the program that calls it has run one
 already; if it had, setting the variable would do nothing and the job would
-still die of SIGILL. Setting it when the job starts always works.
+still die of SIGILL. Set in the job's environment, it is read before any
+kernel runs (and with it bf16 autocast worked on the machine of the report).
 
 Test hook: ``HSGD_AMP_PROBE_FAULT`` makes the child fail as on such a machine
 instead of running the check: ``sigill`` (it kills itself with SIGILL),
@@ -50,7 +51,7 @@ import torch
 
 __all__ = ["probe_autocast", "check_autocast", "ISA_CAP", "PROBE_TIMEOUT_S"]
 
-ISA_CAP = "AVX512_CORE_BF16"  # oneDNN's newest ISA below AMX
+ISA_CAP = "AVX512_CORE_BF16"  # an ISA below AMX, with bf16 instructions (AVX512_BF16)
 PROBE_TIMEOUT_S = 120.0
 FAULT_HOOK = "HSGD_AMP_PROBE_FAULT"
 _UNSUPPORTED = 3  # the child's exit status when torch ran the layer without autocasting
