@@ -43,7 +43,7 @@ def setup(cfg: TrainConfig, comm):
     host_rank, host_size = _on_host(comm)
     torch.set_num_threads(cfg.threads or _default_threads(host_size))
     device = _pick_device(cfg.device, comm, host_rank)
-    check_amp(cfg.amp, device, comm)  # before any model: a crash here would take the rank down
+    check_amp(cfg.amp, device, comm)  # in a child process, before this one runs any kernel
     run_dir = Path(on_root(comm, _make_run_dir, cfg, topo))
     ckpt_dir = Path(cfg.checkpoint_dir or run_dir / "checkpoints")
     on_root(comm, check_writable, ckpt_dir)
