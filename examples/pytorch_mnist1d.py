@@ -13,9 +13,15 @@ generated offline the first time into ``--data-dir`` by rank 0 (about 20 s
 for the default 40 000 samples); every rank then reads its shard of it in
 large contiguous blocks (:class:`hsgd.ContiguousH5Loader`, the role of
 torch's ``DistributedSampler`` in the Horovod example).
+
+``--use-mixed-precision`` first tries bf16 autocast in a child process (once per
+host): on a CPU whose bf16 kernels crash (AMX advertised but not enabled) every
+rank exits with status 2 and rank 0 prints one line saying what to set, instead
+of the job dying of SIGILL.
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import hsgd  # hsgd: instead of `import horovod.torch as hvd`
+from hsgd.amp import check_autocast
 from hsgd.data import ensure_mnist1d
 
 
@@ -107,6 +114,14 @@ def test(model, loader):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.use_mixed_precision:
+        # hsgd: bf16 kernels kill the process on some CPUs; try them in a child process first
+        # (every rank gets the same answer, so every rank exits alike)
+        problem = check_autocast("cpu", torch.bfloat16, off="drop --use-mixed-precision")
+        if problem:
+            if hsgd.rank() == 0:
+                print(f"pytorch_mnist1d.py: error: --use-mixed-precision: {problem}", file=sys.stderr)
+            sys.exit(2)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     # rank 0 generates the data set once; the others wait for it

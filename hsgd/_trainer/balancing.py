@@ -30,7 +30,8 @@ BUSY_PHASES = ("data", "compute", "straggler")  # a rank's own work per step: wh
 class Balancing:
     """The trainer's load balancing; collective to build (the warm-up) and in :meth:`epoch_start`."""
 
-    def __init__(self, cfg, loader, opt, model, device, comm, straggle: Optional[Callable[[float], None]]):
+    def __init__(self, cfg, loader, opt, model, device, comm, straggle: Optional[Callable[[float], None]],
+                 autocast=contextlib.nullcontext):
         self.cfg, self.loader, self.opt, self.comm = cfg, loader, opt, comm
         self.balancer: Optional[LoadBalancer] = None
         self._busy = None  # (busy seconds, steps) of the last epoch
@@ -45,7 +46,8 @@ class Balancing:
             return
         self.balancer = LoadBalancer(loader, opt, comm)
         if cfg.balance:
-            shares = self.balancer.calibrate(_calibration_work(model, loader, opt, device, comm, straggle))
+            work = _calibration_work(model, loader, opt, device, comm, straggle, autocast)
+            shares = self.balancer.calibrate(work)
             if comm.Get_rank() == 0:
                 logger.info("--balance: batch shares %s after a warm-up", shares)
 
@@ -65,9 +67,10 @@ class Balancing:
         self._busy = (sum(times[phase] for phase in BUSY_PHASES), steps)
 
 
-def _calibration_work(model, loader, opt, device, comm, straggle):
-    """One step's computation (forward, backward, straggling) on ``b`` synthetic samples,
-    leaving no trace: the gradients are zeroed, buffers and the RNG state restored."""
+def _calibration_work(model, loader, opt, device, comm, straggle, autocast):
+    """One step's computation (forward under ``autocast()``, backward, straggling) on ``b``
+    synthetic samples, leaving no trace: the gradients are zeroed, buffers and the RNG state
+    restored."""
     data = torch.Generator().manual_seed(comm.Get_rank())
     x = torch.randn(loader.batch_size, *loader.sample_shape, generator=data).to(device)
     y = torch.zeros(len(x), dtype=torch.long, device=device)
@@ -76,7 +79,9 @@ def _calibration_work(model, loader, opt, device, comm, straggle):
         rng, buffers = torch.get_rng_state(), [t.clone() for t in model.buffers()]
         start = time.perf_counter()
         with getattr(opt, "no_sync", contextlib.nullcontext)():  # overlap=True: no averaging in backward
-            torch.nn.functional.cross_entropy(model(x[:b]), y[:b]).backward()
+            with autocast():
+                loss = torch.nn.functional.cross_entropy(model(x[:b]), y[:b])
+            loss.backward()
         if straggle is not None:
             straggle(time.perf_counter() - start)
         opt.zero_grad()

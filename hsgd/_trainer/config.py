@@ -75,6 +75,11 @@ class TrainConfig:
     threads: int = _opt(0, "torch threads per rank; 0: $SLURM_CPUS_PER_TASK, else $OMP_NUM_THREADS, "
                                     "else cores / ranks on this node")
     device: str = _opt("cpu", "cpu | cuda (one GPU per local rank) | auto", choices=["cpu", "cuda", "auto"])
+    amp: str = _opt("none", "mixed precision: none | bf16 (forward and loss autocast to bfloat16) | fp16 "
+                            "(autocast to float16, the loss scaled by a GradScaler); on the CPU a child "
+                            "process tries it first: where it would crash (bf16 kernels on a CPU whose "
+                            "AMX is not enabled) the run stops with an error saying what to set",
+                    choices=["none", "bf16", "fp16"])
     # --- synchronization ---
     sync: str = _opt("sync", "synchronization mode: sync (synchronous SGD, gradients averaged "
                              "every step) | local (hierarchical local SGD, parameters averaged "
@@ -110,7 +115,8 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = _opt(None, "where checkpoints go; default RUN_DIR/checkpoints")
     save_every: int = _opt(0, "also checkpoint every N steps (0: at the end of every epoch only)")
     nonfinite_limit: int = _opt(5, "--sync sync: skip a step whose averaged gradients hold NaN or Inf, and "
-                                   "stop after this many in a row; 0: no check")
+                                   "stop after this many in a row (with --amp fp16 the GradScaler's skipped "
+                                   "steps count, each halving the loss scale); 0: no check")
     keep_checkpoints: int = _opt(3, "how many of the newest checkpoints to keep (--resume falls back to "
                                     "an older one if the newest is damaged)")
     resume: Optional[str] = _opt(None, "resume from the latest checkpoint in --checkpoint-dir (plain "
@@ -146,6 +152,9 @@ class TrainConfig:
             weighted = [name for name, mode in SYNC_MODES.items() if mode.balances]
             return (f"--balance needs a mode that weights ranks by batch size: --sync {' | '.join(weighted)} "
                     f"(got --sync {self.sync})")
+        if self.amp == "fp16" and self.overlap and "overlap" in SYNC_MODES[self.sync].config_fields:
+            return ("--overlap averages the gradients during backward, before the GradScaler of --amp fp16 "
+                    "can unscale them: use --amp bf16 (no GradScaler) or drop --overlap")
         if not self.gossip_theta >= 0:
             return f"--gossip-theta must be >= 0 (0: every step, inf: never), got {self.gossip_theta}"
         if not 0 <= self.alpha <= 1:

@@ -31,6 +31,7 @@ from .balancing import Balancing
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .metrics import MetricsLog, PhaseClock, write_timeline
+from .precision import MixedPrecision
 from .progress import Progress
 from .setup import build, setup
 from .stopping import STOP_CHECK_STEPS, stop_agreement
@@ -52,6 +53,7 @@ class Trainer:
         self.slowdown = cfg.straggler_factor(comm.Get_rank(), comm.Get_size())  # 1: not slowed
         self.topo, self.device, self.run_dir, self.ckpt_dir = setup(cfg, comm)
         self.is_main = self.topo.rank == 0
+        self.amp = MixedPrecision(cfg.amp, self.device)
         self.train_loader, self.test_loader, self.model, self.opt, self.scheduler = \
             build(cfg, self.topo, self.device)
         self.step, self.epoch, self.best = 0, 0, 0.0
@@ -60,9 +62,12 @@ class Trainer:
         self.clock = PhaseClock(self.topo.rank, trace=cfg.timeline is not None)
         self.opt.on_phase = self.clock.record
         self.balancing = Balancing(cfg, self.train_loader, self.opt, self.model, self.device, comm,
-                                   self._straggle if self.slowdown > 1 else None)
+                                   self._straggle if self.slowdown > 1 else None, self.amp.autocast)
         self.clock.take()  # --balance's warm-up is not training time
         self._guard = cfg.nonfinite_limit > 0 and hasattr(self.opt, "gradients_finite")
+        # --amp fp16 in --sync sync: the scaler unscales the averages, so that every rank's scaler
+        # sees the same gradients and keeps the same scale
+        self._average_first = self._guard or (self.amp.scaler is not None and hasattr(self.opt, "gradients_finite"))
         self._skipped = 0  # steps skipped in a row for non-finite gradients
         self.log = _open_log(self.run_dir, self.comm, cfg.tensorboard)
         self.stopper = stopper
@@ -73,13 +78,13 @@ class Trainer:
         state = resume_state(self.cfg, self.ckpt_dir, self.model, self.comm)
         if state is not None:
             self.step, self.epoch, self.best = restore(state, self.model, self.opt, self.scheduler,
-                                                       self.train_loader, self.comm)
+                                                       self.train_loader, self.comm, self.amp)
         elif self.is_main:
             logger.info("no checkpoint in %s: starting afresh", self.ckpt_dir)
 
     def save(self) -> None:
-        state = checkpoint_state(self.cfg, self.model, self.opt, self.scheduler,
-                                 self.train_loader, self.step, self.epoch, self.best, self.comm)
+        state = checkpoint_state(self.cfg, self.model, self.opt, self.scheduler, self.train_loader,
+                                 self.step, self.epoch, self.best, self.comm, self.amp.state_dict())
         on_root(self.comm, save_checkpoint, self.ckpt_dir, state, self.step, self.cfg.keep_checkpoints)
 
     def run(self) -> int:
@@ -106,8 +111,9 @@ class Trainer:
             with self.clock.phase("data"):
                 batch = next(batches)
             loss, correct, n, finite = _train_step(self.model, self.opt, batch, self.device, self.clock,
-                                                   guard=self._guard)
-            self._check_finite(finite)
+                                                   self.amp, average_first=self._average_first)
+            if self._guard:
+                self._check_finite(finite)
             if self.slowdown > 1:
                 self._straggle(self.clock.total(*OWN_WORK) - own_start)
             self.scheduler.step()
@@ -142,14 +148,17 @@ class Trainer:
         self._skipped = 0 if finite else self._skipped + 1
         if finite:
             return
+        scale = self.amp.scale()
         if self.is_main:
-            logger.warning("step %d: the averaged gradients hold NaN or Inf; step skipped (%d in a row)",
-                           self.step + 1, self._skipped)
+            logger.warning("step %d: the averaged gradients hold NaN or Inf; step skipped (%d in a row)%s",
+                           self.step + 1, self._skipped, "" if scale is None else f"; loss scale now {scale:g}")
         if self._skipped >= self.cfg.nonfinite_limit:
+            fp16 = "" if scale is None else (f"; with --amp fp16 each skip halved the loss scale (now {scale:g}): "
+                                             f"raise --nonfinite-limit or use --amp bf16 if float16 overflows")
             raise collective_error(InputValueError, f"the averaged gradients held NaN or Inf in "
                                    f"{self._skipped} steps in a row (the last: step {self.step + 1}); the "
                                    f"run diverged: lower --lr, add warm-up (--warmup-epochs) or check the "
-                                   f"data; --resume starts from the last checkpoint")
+                                   f"data; --resume starts from the last checkpoint{fp16}")
 
     def _straggle(self, seconds: float) -> None:
         """``--straggler``: stretch this step's own work (``seconds``: data and compute, not the
@@ -184,7 +193,8 @@ class Trainer:
     def _end_epoch(self, totals, train_seconds: float, times: Counter, steps_per_s: float) -> None:
         with self.clock.phase("eval"):
             test_loss, test_acc = evaluate(self.model, self.test_loader, self.comm, self.device,
-                                           shared=self.opt.shared_state_dict if self.opt.replicas_differ else None)
+                                           shared=self.opt.shared_state_dict if self.opt.replicas_differ else None,
+                                           autocast=self.amp.autocast)
         times.update(self.clock.take())
         self.best = max(self.best, test_acc)
         seen = max(totals[2].item(), 1.0)  # 0 when resumed exactly at the epoch's end
@@ -235,28 +245,32 @@ def _open_log(run_dir, comm, tensorboard: bool) -> MetricsLog:
     return log
 
 
-def _train_step(model, opt, batch, device, clock, guard: bool = False):
-    """Forward, backward, average, update; returns (loss, correct, samples, finite). With
-    ``guard`` (a mode with ``gradients_finite``) a step whose averaged gradients hold NaN or
-    Inf is not taken (``finite`` False)."""
+def _train_step(model, opt, batch, device, clock, amp: MixedPrecision, average_first: bool = False):
+    """Forward (under ``amp``'s autocast), backward, average, update; returns (loss, correct,
+    samples, finite). With ``average_first`` (a mode with ``gradients_finite``) the gradients
+    are averaged, then unscaled (``--amp fp16``), and a step whose averages hold NaN or Inf is
+    not taken (``finite`` False), on every rank alike."""
     x = batch[0].to(device, torch.float32, non_blocking=True)  # any stored dtype, e.g. uint8 images
     y = batch[1].to(device, non_blocking=True)
     # The optimizer update counts as compute; averaging (in backward with --overlap, else in
     # step()) is already in intra/inter.
     with clock.phase("compute", excluding=("intra", "inter")):
         opt.zero_grad()
-        out = model(x)
-        loss = torch.nn.functional.cross_entropy(out, y)
-        loss.backward()
+        with amp.autocast():
+            out = model(x)
+            loss = torch.nn.functional.cross_entropy(out, y)
+        amp.backward(loss)
     finite = True
     with clock.phase("compute", excluding=("intra", "inter")):
-        if guard:
+        if average_first:
             opt.synchronize()
+            amp.unscale_(opt)
             finite = opt.gradients_finite()
             if finite:
                 with opt.skip_synchronize():
-                    opt.step()
+                    amp.step(opt)
         else:
-            opt.step()
+            amp.step(opt)
+        amp.update()
     correct = (out.argmax(1) == y).sum().item()
     return loss.item(), float(correct), float(y.numel()), finite

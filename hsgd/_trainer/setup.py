@@ -1,4 +1,5 @@
-"""Building a training job: topology, threads, device, run directory, data, model, optimizer.
+"""Building a training job: topology, threads, device, mixed precision, run directory, data,
+model, optimizer.
 
 Every function here is collective: the ranks build the same job, and a bad
 value from the user raises the same :class:`~hsgd.errors.InputError` on
@@ -26,6 +27,7 @@ from ..topology import Topology
 from .checkpoint import check_writable
 from .config import TrainConfig
 from .models import build_model
+from .precision import check_amp
 from .training import dataset_length, make_optimizer, make_scheduler, num_classes, prepare_data, test_batch_size
 
 __all__ = ["setup", "build"]
@@ -34,13 +36,14 @@ logger = logging.getLogger("hsgd.train")
 
 
 def setup(cfg: TrainConfig, comm):
-    """Topology, logging, threads, device and run directory."""
+    """Topology, logging, threads, device (with ``--amp``: tried there first) and run directory."""
     topo = Topology.from_comm(comm, ranks_per_node=cfg.ranks_per_node)
     logging.basicConfig(level=logging.INFO if topo.rank == 0 else logging.WARNING,
                         format=f"[rank {topo.rank}] %(message)s", stream=sys.stderr)
     host_rank, host_size = _on_host(comm)
     torch.set_num_threads(cfg.threads or _default_threads(host_size))
     device = _pick_device(cfg.device, comm, host_rank)
+    check_amp(cfg.amp, device, comm)  # in a child process, before this one runs any kernel
     run_dir = Path(on_root(comm, _make_run_dir, cfg, topo))
     ckpt_dir = Path(cfg.checkpoint_dir or run_dir / "checkpoints")
     on_root(comm, check_writable, ckpt_dir)

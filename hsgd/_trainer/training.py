@@ -8,6 +8,7 @@ so the trainer can print one message from rank 0 and exit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from dataclasses import asdict
@@ -98,8 +99,9 @@ def make_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
 
 
 @torch.no_grad()
-def evaluate(model, loader: ContiguousH5Loader, comm, device, shared=None):
-    """Mean loss and top-1 accuracy over the whole split, each sample counted once.
+def evaluate(model, loader: ContiguousH5Loader, comm, device, shared=None, autocast=contextlib.nullcontext):
+    """Mean loss and top-1 accuracy over the whole split, each sample counted once, the forward
+    pass inside ``autocast()`` (the training step's, with ``--amp``).
 
     ``shared``: for a mode whose replicas differ (local SGD between averaging
     steps, the parameter box), its ``shared_state_dict``; the score is that
@@ -108,22 +110,23 @@ def evaluate(model, loader: ContiguousH5Loader, comm, device, shared=None):
     """
     if shared is None:
         average_buffers(model, comm)
-        return _score(model, loader, comm, device)
+        return _score(model, loader, comm, device, autocast)
     own = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.load_state_dict(shared())
     try:
-        return _score(model, loader, comm, device)
+        return _score(model, loader, comm, device, autocast)
     finally:
         model.load_state_dict(own)
 
 
-def _score(model, loader, comm, device) -> Tuple[float, float]:
+def _score(model, loader, comm, device, autocast) -> Tuple[float, float]:
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
     for x, y in loader:
         x, y = x.to(device, torch.float32, non_blocking=True), y.to(device, non_blocking=True)
-        out = model(x)
-        sums[0] += torch.nn.functional.cross_entropy(out, y, reduction="sum").item()
+        with autocast():
+            out = model(x)
+            sums[0] += torch.nn.functional.cross_entropy(out, y, reduction="sum").item()
         sums[1] += (out.argmax(1) == y).sum().item()
         sums[2] += y.numel()
     model.train()
@@ -183,28 +186,36 @@ def resume_state(cfg: TrainConfig, checkpoint_dir: Path, model, comm) -> Optiona
     return state
 
 
-def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, best, comm) -> dict:
+def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, best, comm, scaler=None) -> dict:
     """Everything a resumed run needs; collective, rank 0 gets the full dict.
 
     ``model`` is the mode's ``shared_state_dict()``: the average over ranks
     (the replicas are identical in synchronous SGD; in local SGD this is the
     model worth keeping), or the global weights ``W_g`` of the parameter box.
     With a mode whose replicas differ each rank's own replica and optimizer
-    state are kept too, so that a resumed run continues exactly.
+    state are kept too, so that a resumed run continues exactly. ``scaler``:
+    the state of ``--amp fp16``'s GradScaler (the same on every rank in
+    ``--sync sync``; per rank with the replicas in the other modes).
     """
     rng = comm.gather(torch.get_rng_state(), root=0)
     state = {"model": opt.shared_state_dict(), "optimizer": opt.state_dict(),
              "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
              "rng": rng, "step": step, "epoch": epoch, "best_test_acc": best,
              "config": asdict(cfg), "world_size": comm.Get_size()}
+    if scaler is not None:
+        state["scaler"] = scaler
     if opt.replicas_differ:
-        state["replicas"] = comm.gather({"model": model.state_dict(), "optimizer": opt.state_dict()},
-                                        root=0)
+        own = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        if scaler is not None:
+            own["scaler"] = scaler
+        state["replicas"] = comm.gather(own, root=0)
     return state
 
 
-def restore(state: dict, model, opt, scheduler, loader, comm) -> Tuple[int, int, float]:
+def restore(state: dict, model, opt, scheduler, loader, comm, amp=None) -> Tuple[int, int, float]:
     """Load a checkpoint's state on this rank; returns (step, epoch, best test accuracy).
+    ``amp``: the run's :class:`~hsgd._trainer.precision.MixedPrecision`, which takes the saved
+    loss scaler's state (if any).
 
     With another number of ranks the data order cannot continue mid-epoch:
     the interrupted epoch starts again from its beginning, and so do the step
@@ -215,6 +226,8 @@ def restore(state: dict, model, opt, scheduler, loader, comm) -> Tuple[int, int,
     model.load_state_dict(own.get("model", state["model"]))
     opt.load_state_dict(own.get("optimizer", state["optimizer"]))
     scheduler.load_state_dict(state["scheduler"])
+    if amp is not None:
+        amp.load_state_dict(own.get("scaler", state.get("scaler")))
     step = int(state["step"])
     if state["same_world"]:
         check_all(comm, loader.load_state_dict, state["loader"])

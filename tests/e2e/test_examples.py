@@ -3,7 +3,10 @@
 import re
 
 import pytest
+import torch
 from mpirun import ROOT, run_mpi
+
+from hsgd.amp import probe_autocast
 
 EXAMPLES = ROOT / "examples"
 
@@ -13,15 +16,37 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cache"))
 
 
-def test_mnist1d_example_trains_and_averages_its_test_metrics(cache):
-    proc = run_mpi(2, [str(EXAMPLES / "pytorch_mnist1d.py"), "--samples", "2000", "--epochs", "2",
-                       "--data-dir", cache, "--use-mixed-precision", "--log-interval", "5"],
-                   env={"HSGD_RANKS_PER_NODE": "1"}, timeout=300)
+def run_mnist1d(cache, *extra, env=None):
+    return run_mpi(2, [str(EXAMPLES / "pytorch_mnist1d.py"), "--samples", "2000", "--epochs", "2",
+                       "--data-dir", cache, "--log-interval", "5", *extra],
+                   env={"HSGD_RANKS_PER_NODE": "1", **(env or {})}, timeout=300)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "mixed-precision"])
+def test_mnist1d_example_trains_and_averages_its_test_metrics(cache, mixed):
+    if mixed:  # bf16 autocast depends on the CPU: tried in a child process, where it may crash
+        problem = probe_autocast("cpu", torch.bfloat16)
+        if problem:
+            pytest.skip(f"--use-mixed-precision cannot run on this machine: {problem}")
+    proc = run_mnist1d(cache, *(["--use-mixed-precision"] if mixed else []))
     assert proc.returncode == 0, proc.stderr
     tests = re.findall(r"Test set: Average loss: ([0-9.]+), Accuracy: ([0-9.]+)%", proc.stdout)
     assert len(tests) == 2, proc.stdout  # once per epoch, rank 0 only
     assert float(tests[-1][1]) > 20.0, proc.stdout  # 10 classes: chance is 10 %
     assert proc.stdout.count("Train Epoch: 1 [0/") == 1
+
+
+def test_mnist1d_example_whose_bf16_probe_fails_exits_2_with_one_error(cache):
+    """As on a CPU that advertises AMX its hypervisor does not enable (simulated through the
+    probe's test hook, whatever ONEDNN_MAX_CPU_ISA is): one line with the fix, status 2, no training."""
+    proc = run_mnist1d(cache, "--use-mixed-precision", env={"HSGD_AMP_PROBE_FAULT": "sigill"})
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors[0].startswith("pytorch_mnist1d.py: error: --use-mixed-precision: bfloat16 autocast on the "
+                                "CPU killed a test process with SIGILL (illegal instruction"), errors[0]
+    assert "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16" in errors[0], errors[0]
+    assert errors[0].endswith("drop --use-mixed-precision"), errors[0]
+    assert "Train Epoch" not in proc.stdout
 
 
 def test_synthetic_benchmark_reports_rates_and_compressed_traffic():

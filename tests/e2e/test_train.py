@@ -15,6 +15,8 @@ import pytest
 import torch
 from mpirun import ROOT, descendants, kill_job, mpi_command, mpi_env, remove_leftovers, run_mpi, snapshot
 
+from hsgd._trainer.precision import AMP_DTYPES
+from hsgd.amp import probe_autocast
 from hsgd.data import ensure_mnist1d
 
 SMALL = ["--mnist1d-samples", "2000", "--epochs", "2", "--batch-size", "64", "--progress", "lines"]
@@ -27,8 +29,8 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cache"))
 
 
-def train(nprocs, args, cache, timeout=300, module=("-m", "hsgd.train")):
-    return run_mpi(nprocs, [*module, "--cache-dir", cache, *args], timeout=timeout)
+def train(nprocs, args, cache, timeout=300, module=("-m", "hsgd.train"), env=None):
+    return run_mpi(nprocs, [*module, "--cache-dir", cache, *args], timeout=timeout, env=env)
 
 
 def records(run_dir, event):
@@ -318,6 +320,7 @@ def bad_inputs(tmp_path):
         ("unwritable", ["--checkpoint-dir", str(blocker / "sub")], "--checkpoint-dir"),
         ("odd batch", ["--batch-size", "63"], "multiple of the 2 ranks"),
         ("straggler rank", ["--straggler", "2:3"], "no rank 2 in a job of 2 ranks"),
+        ("overlap fp16", ["--overlap", "--amp", "fp16"], "--overlap averages the gradients during backward"),
     ] + ([] if torch.cuda.is_available() else
          [("no GPU", ["--device", "cuda"], "--device cuda, but torch sees no GPU")])
 
@@ -413,3 +416,65 @@ def test_resnet_on_images(tmp_path, cache, layout):
                      "--epochs", "3", "--batch-size", "32", "--run-dir", str(run)], cache)
     assert proc.returncode == 0, proc.stderr
     assert records(run, "epoch")[-1]["test_acc"] > 0.6  # classes are shifted means: easy
+
+
+def skip_unless_autocast_works(amp):
+    """Mixed precision depends on the CPU: tried in a child process (where it may crash), and
+    the test is skipped with the reason where it does not work."""
+    problem = probe_autocast("cpu", AMP_DTYPES[amp])
+    if problem:
+        pytest.skip(f"--amp {amp} cannot run on this machine: {problem}")
+
+
+def test_amp_bf16_trains_and_evaluates(tmp_path, cache):
+    skip_unless_autocast_works("bf16")
+    run = tmp_path / "run"
+    proc = train(2, [*SMALL, "--amp", "bf16", "--run-dir", str(run)], cache)
+    assert proc.returncode == 0, proc.stderr
+    epochs = records(run, "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    assert all(math.isfinite(e["train_loss"]) and math.isfinite(e["test_loss"]) for e in epochs)
+    assert epochs[-1]["test_acc"] > 0.25  # 10 classes: chance is 0.1
+    assert json.loads((run / "config.json").read_text())["amp"] == "bf16"
+    assert "scaler" not in final_checkpoint(run / "checkpoints")  # bfloat16 needs no loss scaling
+
+
+def final_checkpoint(checkpoint_dir):
+    return torch.load(sorted(Path(checkpoint_dir).glob("ckpt-*.pt"))[-1], weights_only=True)
+
+
+def test_amp_fp16_scales_the_loss_and_resumes_with_the_saved_scale(tmp_path, cache):
+    """--amp fp16 across 2 virtual nodes: the GradScaler's state is checkpointed and a resumed run
+    continues from it (the saved scale is changed to one a fresh scaler would not have)."""
+    skip_unless_autocast_works("fp16")
+    run = tmp_path / "run"
+    common = [*SMALL, "--amp", "fp16", "--ranks-per-node", "1", "--run-dir", str(run)]
+    first = train(2, [*common, "--stop-after", "20"], cache)
+    assert first.returncode == 0, first.stderr
+    path = run / "checkpoints" / f"ckpt-{20:09d}.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["scaler"]["scale"] == 65536.0 and state["scaler"]["_growth_tracker"] == 20, state["scaler"]
+    state["scaler"]["scale"] = 1024.0
+    torch.save(state, path)
+    second = train(2, [*common, "--resume"], cache)
+    assert second.returncode == 0, second.stderr
+    assert "(step 20)" in second.stderr
+    epochs = records(run, "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1] and all(math.isfinite(e["train_loss"]) for e in epochs)
+    assert epochs[-1]["test_acc"] > 0.25
+    scaler = final_checkpoint(run / "checkpoints")["scaler"]
+    assert scaler["scale"] == 1024.0 and scaler["_growth_tracker"] == 2 * STEPS_PER_EPOCH, scaler
+
+
+def test_amp_whose_probe_fails_ends_the_job_with_one_error(tmp_path, cache):
+    """As on a CPU that advertises AMX its hypervisor does not enable: the probe's child dies of
+    SIGILL (simulated through the test hook, also under ONEDNN_MAX_CPU_ISA, so that the test holds
+    where that is set)."""
+    proc = train(2, [*SMALL, "--amp", "bf16", "--run-dir", str(tmp_path / "run")], cache, timeout=120,
+                 env={"HSGD_AMP_PROBE_FAULT": "sigill"})
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors[0].startswith("python -m hsgd.train: error: --amp bf16: bfloat16 autocast on the CPU killed "
+                                "a test process with SIGILL (illegal instruction"), errors[0]
+    assert "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16" in errors[0] and errors[0].endswith("(--amp none)"), errors[0]
+    assert "train samples" not in proc.stderr  # stopped before any model was built

@@ -71,3 +71,10 @@ def test_straggler_slows_only_its_rank_and_must_be_in_the_job():
     with pytest.raises(InputValueError, match="no rank 2 in a job of 2 ranks") as err:
         cfg.straggler_factor(0, 2)
     assert err.value.hsgd_agreed  # every rank decides alike: the trainer exits with one message
+
+
+def test_amp_fp16_with_overlap_is_refused_where_overlap_applies():
+    problem = parse_config(["--overlap", "--amp", "fp16"]).validate()
+    assert problem is not None and "--overlap" in problem and "--amp bf16" in problem, problem
+    for argv in (["--overlap", "--amp", "bf16"], ["--amp", "fp16"], ["--sync", "local", "--overlap", "--amp", "fp16"]):
+        assert parse_config(argv).validate() is None, argv  # bf16 has no GradScaler; local ignores --overlap
