@@ -3,21 +3,20 @@ end a job that waits for good.
 
 In the manner of Horovod's stall inspector and torch's ``monitored_barrier``:
 before it enters a synchronization, every rank publishes how many it has
-entered and at which step, as one int64 in a small
-:class:`~hsgd.remote.RemoteMemory` board on rank 0. On rank 0's host that is
-one store into rank 0's memory; from another host, an element-wise ``MAX``
-accumulate that is issued and never waited for
-(:meth:`~hsgd.remote.RemoteMemory.accumulate_nowait`): it lands when rank 0's
-MPI next makes progress, and since the value only grows, the order in which
-such updates land does not matter. So publishing costs a few microseconds
-and no round trip, on any network. (It used to be a put and a flush: a round
-trip to rank 0 per step, 22 ms of a 95 ms step across two hosts at 1 Gbit/s.)
+entered and at which step, as one int64 in its own slot of a
+:class:`~hsgd.remote.RemoteMemory` board (every rank owns one element): one
+store into its own memory, no MPI call, on any network. (It used to be a put
+and a flush into a board on rank 0: a round trip per step, 22 ms of a 95 ms
+step across two hosts at 1 Gbit/s, and over TCP a wait for rank 0 to enter
+MPI, which deadlocked with ranks that spin on shared memory.)
 
 A watchdog thread on each rank wakes every ``timeout / 4`` seconds (at most
 every second); if its rank has been waiting in the same synchronization for
-``timeout`` seconds, it reads the board (a one-sided read: the ranks stuck
-need not answer; given up after a few seconds if rank 0 itself does not
-answer) and writes to stderr::
+``timeout`` seconds, it reads every rank's slot one-sidedly (the ranks need
+not answer: where the network needs the owner's MPI to move the bytes, the
+owner's progress thread does, :mod:`hsgd.remote.progress`; a rank that does
+not answer within a few seconds, its host dead or cut off, is named as such)
+and writes to stderr::
 
     [rank 0] hsgd stall: waiting 60 s in synchronization #118 (step 117, step()); missing: rank 2 (last at step 103)
 
@@ -47,26 +46,28 @@ must agree on all three.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
 from .._engine.agree import collective_error
 from ..errors import InputValueError
 
-__all__ = ["StallInspector", "DEFAULT_TIMEOUT_S", "DEFAULT_ABORT_AFTER_S", "TIMEOUT_ENV", "ABORT_ENV",
+__all__ = ["StallInspector", "WatchedComm", "DEFAULT_TIMEOUT_S", "DEFAULT_ABORT_AFTER_S", "TIMEOUT_ENV", "ABORT_ENV",
            "ABORT_AFTER_ENV", "EXIT_GRACE_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_ABORT_AFTER_S = 600.0
 TIMEOUT_ENV, ABORT_ENV, ABORT_AFTER_ENV = "HSGD_STALL_TIMEOUT", "HSGD_STALL_ABORT", "HSGD_STALL_ABORT_AFTER"
 EXIT_GRACE_S = 20.0   # after MPI_Abort, if the process is still alive
-_READ_TIMEOUT_S = 5.0  # how long a report waits for rank 0's board
+_READ_TIMEOUT_S = 5.0  # how long a report waits for the other ranks' slots
+_BOARD_IDLE_S = 0.05   # the progress threads' poll for the board, while no doorbell comes in
 _STEP_BITS = 32        # a board word: (synchronizations entered << 32) | step
 
 
@@ -121,14 +122,14 @@ class StallInspector:
         self.comm, self.rank = comm, comm.Get_rank()
         self._threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE  # may the watchdog call MPI?
         self.entered, self._step, self._what, self._since = 0, 0, "", None
-        self._word = torch.zeros(1, dtype=torch.int64)
         self.board, self._slot, self._thread, self._stop = None, None, None, threading.Event()
         if self.timeout > 0:
             from ..remote.memory import RemoteMemory
 
-            self.board = RemoteMemory(comm, comm.Get_size(), dtype=torch.int64, owners=[0])
-            view = self.board.direct_view(0)
-            self._slot = None if view is None else view[self.rank:self.rank + 1]
+            # Read only by reports: the owners' progress threads may poll slowly for it.
+            self.board = RemoteMemory(comm, comm.Get_size(), dtype=torch.int64, owners=range(comm.Get_size()),
+                                      progress_idle=_BOARD_IDLE_S)
+            self._slot = self.board.direct_view(self.rank)  # this rank's own memory
             self._thread = threading.Thread(target=self._watch, name="hsgd-stall-inspector", daemon=True)
             self._thread.start()
 
@@ -145,17 +146,18 @@ class StallInspector:
             return
         self.entered += 1
         self._step, self._what = int(step), what
-        word = (self.entered << _STEP_BITS) | (self._step & ((1 << _STEP_BITS) - 1))
-        if self._slot is not None:  # rank 0's board is mapped here: one store
-            self._slot[0] = word
-        else:
-            self._word[0] = word
-            self.board.accumulate_nowait(self.rank, self._word, op="max")
+        self._slot[0] = (self.entered << _STEP_BITS) | (self._step & ((1 << _STEP_BITS) - 1))
         self._since = time.monotonic()
         try:
             yield
         finally:
             self._since = None
+
+    def watched(self, comm, step: Callable[[], int]) -> WatchedComm:
+        """``comm`` whose collectives (``Allreduce``, ``bcast``, ``gather``, ...) each run as a
+        wait of this inspector, at step ``step()``: for a caller's own collectives between
+        the mode's (the trainer's metrics, evaluation, checkpoints, stop agreement)."""
+        return WatchedComm(comm, self, step)
 
     def _watch(self) -> None:
         period = min(1.0, self.timeout / 4)
@@ -182,7 +184,7 @@ class StallInspector:
             self._report(waited, names or "none (all arrived)")
             if self.abort or ending:
                 why = f"{ABORT_ENV}/stall_abort" if self.abort else \
-                    f"waited {self.abort_after:g} s: {ABORT_AFTER_ENV}/stall_abort_after"
+                    f"waited {waited:.0f} s, longer than stall_abort_after / {ABORT_AFTER_ENV} = {self.abort_after:g} s"
                 self._abort(why)
 
     def _abort(self, why: str) -> None:
@@ -199,17 +201,14 @@ class StallInspector:
         last step; ``None`` if every rank has entered."""
         if not self._threads:
             return "unknown (MPI was initialized without MPI_THREAD_MULTIPLE)"
-        board = torch.empty(self.comm.Get_size(), dtype=torch.int64)
-        if self._slot is not None:
-            self.board.read(0, board)
-        elif not self.board.read_within(0, board, _READ_TIMEOUT_S):
-            return (f"unknown: rank 0, which holds the board, did not answer for {_READ_TIMEOUT_S:g} s "
-                    "(its host or its network may be gone)")
+        board = torch.full((self.comm.Get_size(),), -1, dtype=torch.int64)
+        silent = set(self.board.read_within(0, board, _READ_TIMEOUT_S))
         words = board.tolist()
         entered = [w >> _STEP_BITS for w in words]
         steps = [w & ((1 << _STEP_BITS) - 1) for w in words]
-        missing = [r for r, n in enumerate(entered) if n < self.entered]
-        return ", ".join(f"rank {r} (last at step {steps[r]})" if entered[r] else
+        missing = [r for r, n in enumerate(entered) if r in silent or n < self.entered]
+        return ", ".join(f"rank {r} (not answering for {_READ_TIMEOUT_S:g} s: its host or network may be gone)"
+                         if r in silent else f"rank {r} (last at step {steps[r]})" if entered[r] else
                          f"rank {r} (no synchronization yet)" for r in missing) or None
 
     def _report(self, waited: float, names: str) -> None:
@@ -227,3 +226,29 @@ class StallInspector:
             self._slot = None
             self.board.close()
             self.board = None
+
+
+_COLLECTIVES = frozenset(
+    name for base in ("allreduce", "reduce", "bcast", "barrier", "allgather", "gather", "scatter", "alltoall",
+                      "scan", "exscan", "reduce_scatter", "allgatherv", "gatherv", "scatterv", "alltoallv")
+    for name in (base, base.capitalize()))
+
+
+class WatchedComm:
+    """An mpi4py communicator whose collectives wait under a :class:`StallInspector`
+    (:meth:`StallInspector.watched`); everything else passes through. Not a ``MPI.Comm``: hand
+    the plain communicator to what builds MPI objects from it (windows, splits)."""
+
+    def __init__(self, comm, inspector: StallInspector, step: Callable[[], int]):
+        self.comm, self._inspector, self._step = comm, inspector, step
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.comm, name)
+        if name not in _COLLECTIVES:
+            return attr
+
+        @functools.wraps(attr)
+        def watched(*args, **kwargs):
+            with self._inspector.waiting(self._step(), name):
+                return attr(*args, **kwargs)
+        return watched

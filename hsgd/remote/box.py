@@ -42,7 +42,7 @@ import torch
 
 from .._engine.binding import FlatSlot, SlotBinding
 from .._engine.checks import check_int
-from .._engine.mode import SyncMode
+from .._engine.mode import SyncMode, collective
 from ..errors import InputValueError
 from .memory import RemoteMemory
 
@@ -84,6 +84,7 @@ class BoxMode(SyncMode):
         """Bytes this rank read, wrote and accumulated: own node's shards ``intra``, others ``inter``."""
         return self.box.traffic.as_dict()
 
+    @collective("global_parameters()")  # one-sided, but it waits for every owner
     def global_parameters(self) -> List[torch.Tensor]:
         """A fresh read of ``W_g``, as tensors shaped (and placed) like ``model.parameters()``."""
         self._check_open()
@@ -92,6 +93,7 @@ class BoxMode(SyncMode):
         return [flat[off:off + p.numel()].view(p.shape).to(p.device, copy=True)
                 for p, (_, off) in zip(self._binding.params, self._slot.layout.places)]
 
+    @collective("load_global_parameters()")
     def load_global_parameters(self, tensors, replicas: bool = True) -> None:
         """Set ``W_g`` (and with ``replicas`` this rank's parameters) to ``tensors``. Collective."""
         self._check_open()
@@ -116,6 +118,7 @@ class BoxMode(SyncMode):
         """Complete this rank's pending accumulate into ``W_g``, if any."""
         self.box.accumulate_wait()
 
+    @collective("shared_state_dict()")
     def shared_state_dict(self) -> dict:
         """The model with ``W_g`` as its parameters (buffers averaged over ranks). Collective.
 
@@ -129,6 +132,7 @@ class BoxMode(SyncMode):
             state[name] = value.to("cpu")
         return state
 
+    @collective("load_shared_state_dict()")
     def load_shared_state_dict(self, state_dict: dict) -> None:
         """Set ``W_g`` from a checkpoint's model; each rank's replica stays as loaded. Collective."""
         self.load_global_parameters([state_dict[name] for name in self._trained_names()], replicas=False)

@@ -64,9 +64,8 @@ its arguments on every rank and agrees, so a bad value raises the same
 from __future__ import annotations
 
 import time
-from collections import deque
 from contextlib import contextmanager
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -76,7 +75,7 @@ from .._engine.traffic import Traffic
 from ..topology import Topology
 from .control import ControlWords
 from .layout import DTYPES, agree_owners, pieces, shard_bounds
-from .progress import Doorbells
+from .progress import IDLE_S, Doorbells
 
 __all__ = ["RemoteMemory", "DTYPES", "DEFAULT_CHUNK_BYTES"]
 
@@ -95,12 +94,16 @@ class RemoteMemory:
         chunk_bytes: the largest single RMA transfer.
         topology: a :class:`~hsgd.Topology` over ``comm`` to take the nodes
             from (default: built here and freed again).
+        progress_idle: across hosts, how often (seconds) an owner's progress thread polls while
+            no doorbell comes in (:mod:`hsgd.remote.progress`); a region read only now and
+            then can afford a slow poll.
 
     The region starts zero-filled.
     """
 
     def __init__(self, comm, numel: int, dtype=torch.float32, owners: Optional[Sequence[int]] = None,
-                 *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, topology: Optional[Topology] = None):
+                 *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, topology: Optional[Topology] = None,
+                 progress_idle: float = IDLE_S):
         self._closed = True
         comm = MPI.COMM_WORLD if comm is None else comm
         owners, node_ranks = agree_owners(comm, numel, dtype, owners, chunk_bytes, topology)
@@ -117,7 +120,7 @@ class RemoteMemory:
         info = MPI.Info.Create()
         info.update({"accumulate_ordering": "none", "same_disp_unit": "true"})
         self._win = MPI.Win.Allocate(shard * self.itemsize, self.itemsize, info, comm)
-        self._bells = Doorbells(comm, serves=rank in owners)
+        self._bells = Doorbells(comm, serves=rank in owners, idle=progress_idle)
         self._ctl = ControlWords(comm, owners[0], info, self._bells)
         info.Free()
         self._win.Lock_all(MPI.MODE_NOCHECK)
@@ -129,8 +132,7 @@ class RemoteMemory:
         self._direct = {owner: view for owner in self._local
                         if (view := self._shared_view(owner)) is not None}
         self._pending: Optional[Tuple[np.ndarray, List[int]]] = None
-        self._posted: Deque[Tuple[MPI.Request, np.ndarray]] = deque()  # accumulate_nowait's
-        self._reading: Optional[Tuple[List[MPI.Request], np.ndarray]] = None  # read_within's
+        self._reading: Dict[Tuple[int, int, int], Tuple[MPI.Request, np.ndarray]] = {}  # read_within's
         self._closed = False
 
     def _shared_view(self, owner: int) -> Optional[np.ndarray]:
@@ -264,53 +266,41 @@ class RemoteMemory:
         self._pending = None
         self._ctl.bump_version()
 
-    def accumulate_nowait(self, offset: int, tensor: torch.Tensor, op: str = "sum") -> None:
-        """Issue an element-wise ``op`` (``"sum"`` or ``"max"``) of ``tensor`` into the region and
-        return without waiting for it, nor ringing the owner: it lands when the owner's MPI
-        next makes progress (at the latest in :meth:`close`). Atomic per element like
-        :meth:`accumulate`, but it does not count in :attr:`version`. ``tensor`` is copied, so
-        the caller may change it at once. For a rank's own slot of a status board, updated on
-        a hot path (the stall inspector's): with ``"max"`` and growing values the order in
-        which such updates land does not matter."""
-        offset = self._check_transfer("accumulate_nowait", offset, tensor)
-        if op not in ("sum", "max"):
-            raise ValueError(f"accumulate_nowait: op must be 'sum' or 'max', got {op!r}")
-        while self._posted and self._posted[0][0].Test():
-            self._posted.popleft()
-        if len(self._posted) >= 64:  # the owner has not made progress for a while: do not pile up
-            self._posted.popleft()[0].Wait()
-        src = tensor.detach().reshape(-1).cpu().numpy().copy()
-        mpi_op = MPI.SUM if op == "sum" else MPI.MAX
-        for owner, first, stop, disp in pieces(self._starts, self.owners, offset, src.size):
-            part = src[first:stop]
-            request = self._win.Raccumulate([part, self._mpi_type], owner, (disp, len(part), self._mpi_type), mpi_op)
-            self._posted.append((request, part))
-            self._count(owner, stop - first)
-
-    def read_within(self, offset: int, out: torch.Tensor, timeout: float) -> bool:
-        """:meth:`read`, giving up after ``timeout`` seconds if an owner does not answer (a host
-        that died, a process stopped): returns whether ``out`` was filled. A read given up on
-        stays under way; the next call waits for it (within its own ``timeout``) first."""
+    def read_within(self, offset: int, out: torch.Tensor, timeout: float) -> List[int]:
+        """:meth:`read`, giving up on owners that do not answer within ``timeout`` seconds (a
+        host that died or was cut off, a process stopped): returns those owners, whose
+        elements of ``out`` are left as they were (empty: ``out`` is filled). A read given up on
+        stays under way; the next call for the same elements waits for it first. For reports
+        that must not hang (the stall inspector's)."""
         offset = self._check_transfer("read_within", offset, out)
         deadline = time.monotonic() + timeout
-        if self._reading is None:
-            dst, requests = np.empty(out.numel(), dtype=self._np_dtype), []
-            for owner, first, stop, disp in pieces(self._starts, self.owners, offset, dst.size):
+        flat, silent = out.detach().reshape(-1), []
+        for owner, first, stop, disp in pieces(self._starts, self.owners, offset, flat.numel()):
+            view = self._direct.get(owner)
+            if view is not None:
+                self._win.Sync()
+                flat[first:stop] = torch.from_numpy(view[disp:disp + stop - first].copy())
+                continue
+            key = (owner, disp, stop - first)
+            if key not in self._reading:
+                buf = np.empty(stop - first, dtype=self._np_dtype)
                 self._bells.ring(owner)
-                part = dst[first:stop]
-                requests.append(self._win.Rget([part, self._mpi_type], owner, (disp, len(part), self._mpi_type)))
+                self._reading[key] = (self._win.Rget([buf, self._mpi_type], owner, (disp, len(buf), self._mpi_type)),
+                                      buf)
                 self._count(owner, stop - first)
-            self._reading = (requests, dst)
-        requests, dst = self._reading
-        while not MPI.Request.Testall(requests):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(1e-3)
-        self._reading = None
-        if dst.size != out.numel():  # the read given up on earlier was of another size
-            return self.read_within(offset, out, max(0.0, deadline - time.monotonic()))
-        out.copy_(torch.from_numpy(dst).view(out.shape))
-        return True
+            request, buf = self._reading[key]
+            while not request.Test():
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(1e-3)
+            else:
+                del self._reading[key]
+                flat[first:stop] = torch.from_numpy(buf)
+                continue
+            silent.append(owner)
+        if not flat.is_contiguous() or flat.data_ptr() != out.data_ptr():
+            out.copy_(flat.view(out.shape))
+        return silent
 
     @property
     def version(self) -> int:
@@ -365,11 +355,8 @@ class RemoteMemory:
         self.accumulate_wait()
         self._closed = True
         self._direct.clear()
-        MPI.Request.Waitall([request for request, _ in self._posted])
-        self._posted.clear()
-        if self._reading is not None:
-            MPI.Request.Waitall(self._reading[0])
-            self._reading = None
+        MPI.Request.Waitall([request for request, _ in self._reading.values()])
+        self._reading.clear()
         self._win.Unlock_all()
         self._win.Free()
         self._ctl.free()

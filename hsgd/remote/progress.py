@@ -112,8 +112,9 @@ class ProgressThread:
         while not self._stop.wait(wait):
             with self._lock:
                 rang = sum(bells.poll() for bells in self._bells.values())
+                idle = min((bells.idle for bells in self._bells.values()), default=IDLE_S)
                 self.polls += 1
-            wait = HOT_S if rang else min(2 * wait, IDLE_S)
+            wait = HOT_S if rang else min(2 * wait, idle)
 
 
 class Doorbells:
@@ -122,6 +123,8 @@ class Doorbells:
     Args:
         comm: the region's communicator.
         serves: whether this rank holds memory of the region that others reach.
+        idle: the progress thread's wait between polls while no doorbell comes in, for this
+            region (the thread uses the shortest of the regions it serves).
 
     Every rank learns which ranks share its host (``MPI_COMM_TYPE_SHARED``); if
     all do, there is nothing to do (:attr:`active` is false). Otherwise the
@@ -129,7 +132,8 @@ class Doorbells:
     on other hosts, and a serving rank registers with :class:`ProgressThread`.
     """
 
-    def __init__(self, comm, serves: bool):
+    def __init__(self, comm, serves: bool, idle: float = IDLE_S):
+        self.idle = float(idle)
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         try:
             host_of = comm.allgather(node.bcast(comm.Get_rank(), root=0))  # a host: its lowest rank
