@@ -37,6 +37,7 @@ branches on its name.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
@@ -56,7 +57,20 @@ from .binding import SlotBinding
 from .checks import check_choice, check_shares
 from .named import model_of
 
-__all__ = ["SyncMode"]
+__all__ = ["SyncMode", "collective"]
+
+
+def collective(what: str):
+    """Make a mode's method that waits for the other ranks a wait of its stall inspector (named
+    ``what`` in reports), as ``step()`` is. Re-entrant: an override that calls ``super()``
+    counts once."""
+    def wrap(method):
+        @functools.wraps(method)
+        def watched(self, *args, **kwargs):
+            with self.stall.waiting(self.num_steps, what):
+                return method(self, *args, **kwargs)
+        return watched
+    return wrap
 
 
 def _check_common(optimizer, model, inter_node, compression) -> None:
@@ -248,6 +262,7 @@ class SyncMode(torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
+    @collective("broadcast_state()")
     def broadcast_state(self, root: int = 0, *, root_rank: Optional[int] = None) -> None:
         """Copy optimizer state and step count from ``root`` (``root_rank``: the same), e.g.
         after it alone loaded a checkpoint. Collective."""
@@ -270,6 +285,7 @@ class SyncMode(torch.optim.Optimizer):
         """Hand the phase callback to the engine that :meth:`_build` made (default: the averager)."""
         self.averager.on_phase = fn
 
+    @collective("shared_state_dict()")
     def shared_state_dict(self) -> dict:
         """The model worth evaluating and saving, on the CPU, the same on every rank. Collective.
 
@@ -282,6 +298,7 @@ class SyncMode(torch.optim.Optimizer):
         """Names of the trainable parameters, in the order of ``model.parameters()`` (the bound ones)."""
         return [name for name, p in self.model.named_parameters() if p.requires_grad]
 
+    @collective("load_shared_state_dict()")
     def load_shared_state_dict(self, state_dict: dict) -> None:
         """After the model was loaded from a checkpoint, set any state the mode keeps besides
         the replicas from ``state_dict`` (what :meth:`shared_state_dict` returned). Collective."""

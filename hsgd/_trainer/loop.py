@@ -57,11 +57,15 @@ class Trainer:
         self.train_loader, self.test_loader, self.model, self.opt, self.scheduler = \
             build(cfg, self.topo, self.device)
         self.step, self.epoch, self.best = 0, 0, 0.0
+        # Every collective of the trainer's own (metrics, evaluation, checkpoints, the stop agreement)
+        # is a wait of the stall inspector, as the mode's are: a lost host or a partition anywhere in
+        # the loop is reported, and ends the job after stall_abort_after.
+        self.comm = self.opt.stall.watched(comm, lambda: self.step)
         if cfg.resume:
             self._resume()
         self.clock = PhaseClock(self.topo.rank, trace=cfg.timeline is not None)
         self.opt.on_phase = self.clock.record
-        self.balancing = Balancing(cfg, self.train_loader, self.opt, self.model, self.device, comm,
+        self.balancing = Balancing(cfg, self.train_loader, self.opt, self.model, self.device, self.comm,
                                    self._straggle if self.slowdown > 1 else None, self.amp.autocast)
         self.clock.take()  # --balance's warm-up is not training time
         self._guard = cfg.nonfinite_limit > 0 and hasattr(self.opt, "gradients_finite")
@@ -71,7 +75,7 @@ class Trainer:
         self._skipped = 0  # steps skipped in a row for non-finite gradients
         self.log = _open_log(self.run_dir, self.comm, cfg.tensorboard)
         self.stopper = stopper
-        self.stops = stop_agreement(self.opt, comm, stopper, self.step)
+        self.stops = stop_agreement(self.opt, comm, self.comm, stopper, self.step)
         self.progress = Progress(cfg.progress, self.is_main, len(self.train_loader))
 
     def _resume(self) -> None:

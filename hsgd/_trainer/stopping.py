@@ -24,6 +24,8 @@ rank's flag (see :mod:`hsgd._trainer.loop`).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from mpi4py import MPI
 
@@ -56,8 +58,8 @@ class RemoteStop:
     every rank starts from.
     """
 
-    def __init__(self, comm, signal, step: int, topology=None):
-        self.signal, self.rank = signal, comm.Get_rank()
+    def __init__(self, comm, signal, step: int, topology=None, waiting=None):
+        self.signal, self.rank, self._waiting = signal, comm.Get_rank(), waiting
         self.mem = RemoteMemory(comm, 1 + comm.Get_size(), dtype=torch.int64, owners=[0], topology=topology)
         self.words = torch.zeros(1 + comm.Get_size(), dtype=torch.int64)  # [S, rank 0's step, ...]
         if self.rank == 0:
@@ -68,7 +70,7 @@ class RemoteStop:
 
     def should_stop(self, step: int) -> bool:
         if self.stop_at is None and step % STOP_CHECK_STEPS == 0:
-            with self.mem.lock():
+            with self._waiting(step, "stop check") if self._waiting else contextlib.nullcontext(), self.mem.lock():
                 stop_at = int(self.mem.read(0, self.words)[0])
                 if stop_at == 0 and self.signal.received:
                     stop_at = max(int(self.words[1:].max()), step) + STOP_CHECK_STEPS
@@ -82,8 +84,9 @@ class RemoteStop:
         self.mem.close()
 
 
-def stop_agreement(opt, comm, signal, step: int):
-    """The agreement that suits ``opt``'s mode (collective)."""
+def stop_agreement(opt, comm, watched, signal, step: int):
+    """The agreement that suits ``opt``'s mode (collective). ``watched``: ``comm`` whose
+    collectives are waits of the mode's stall inspector; the remote stop's lock is one too."""
     if opt.lockstep:
-        return CollectiveStop(comm, signal, step)
-    return RemoteStop(comm, signal, step, topology=opt.topology)
+        return CollectiveStop(watched, signal, step)
+    return RemoteStop(comm, signal, step, topology=opt.topology, waiting=opt.stall.waiting)

@@ -53,7 +53,7 @@ from mpi4py import MPI
 
 from .._engine.binding import FlatSlot, SlotBinding
 from .._engine.checks import check_choice, check_int
-from .._engine.mode import SyncMode
+from .._engine.mode import SyncMode, collective
 from .._engine.traffic import Traffic
 from ..errors import InputValueError
 from .graphs import GRAPHS, make_graph
@@ -203,6 +203,7 @@ class GossipSGD(SyncMode):
             self._traffic.add_inter(nbytes)
 
     # --- what the trainer evaluates, saves and resumes ---------------------------------------------
+    @collective("consensus()")
     def consensus(self) -> torch.Tensor:
         """``sum(w_i x_i) / sum(w_i)`` over all ranks, flat, in float64. Collective."""
         self._check_open()
@@ -212,6 +213,7 @@ class GossipSGD(SyncMode):
         self.topology.comm.Allreduce(MPI.IN_PLACE, mass.numpy(), op=MPI.SUM)
         return mass[:-1] / mass[-1]
 
+    @collective("shared_state_dict()")
     def shared_state_dict(self) -> dict:
         """The model with the consensus as its parameters (buffers averaged). Collective."""
         state = super().shared_state_dict()
