@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 from ._engine.agree import agree, collective_error
 from .errors import InputValueError
+from .faults.leftovers import unlink_mpi_files
 
 __all__ = ["Topology", "ENV_RANKS_PER_NODE", "parse_ranks_per_node"]
 
@@ -130,6 +131,9 @@ class Topology:
             raise collective_error(InputValueError,
                 f"ranks disagree on ranks_per_node / {ENV_RANKS_PER_NODE}: "
                 f"{sorted(settings, key=str)}; set the same value on every rank")
+        # As early as hsgd runs collectively: MPI's files unlinked once attached, so that a job
+        # that aborts from here on (before any mode is built) leaves nothing (hsgd.faults.leftovers).
+        unlink_mpi_files(comm)
         return cls._build(comm, rpn)
 
     @classmethod

@@ -18,6 +18,7 @@ import pytest
 from mpi4py import MPI
 
 from hsgd._engine.binding import SlotBinding
+from hsgd.faults.leftovers import unlink_mpi_files
 
 _outcomes = {}  # test id -> "passed" / "skipped", on this rank
 
@@ -33,6 +34,12 @@ def pytest_runtest_makereport(item, call):
         sys.stderr.write(f"\n[rank {rank}] FAILED {item.nodeid}\n{report.longreprtext}\n")
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
+
+
+def pytest_sessionstart(session):
+    """MPI's files unlinked once every rank attached them (hsgd.faults.leftovers): a test that
+    fails and aborts the job before any hsgd object was built leaves nothing either."""
+    unlink_mpi_files(MPI.COMM_WORLD)
 
 
 @pytest.fixture
