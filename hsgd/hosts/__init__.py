@@ -140,6 +140,21 @@ class EmulatedHosts:
         """What every host sent and received since ``before`` (an earlier :meth:`counters`)."""
         return [{k: now[k] - then[k] for k in now} for now, then in zip(self.counters(), before)]
 
+    def verify_crossed(self, before: List[Dict[str, int]], nbytes: int, hosts: Optional[Sequence[int]] = None) -> None:
+        """Raise :class:`HostsError` unless each of ``hosts`` (default: all) sent and received at
+        least ``nbytes`` over its link since ``before`` (an earlier :meth:`counters`): for a job
+        that must have moved that much between hosts, the proof that it did not go some other
+        way (all hosts share one kernel, so an MPI that looks for shared memory finds it)."""
+        crossed = self.crossed(before)
+        short = [f"{self.hosts[i].name} sent {crossed[i]['sent']} and received {crossed[i]['received']} bytes"
+                 for i in (range(len(self.hosts)) if hosts is None else hosts)
+                 if min(crossed[i]["sent"], crossed[i]["received"]) < nbytes]
+        if short:
+            raise HostsError(f"the traffic did not cross the links ({'; '.join(short)}; expected at least "
+                             f"{nbytes} each way): the MPI carried it some other way, most likely shared "
+                             f"memory between the hosts' processes; start the job with tcp_env() in its "
+                             f"environment ({', '.join(f'{k}={v}' for k, v in self.tcp_env().items())})")
+
     def set_link(self, host: int, up: bool) -> None:
         """Take host ``host``'s link down (a partition: nothing crosses either way) or up again."""
         self._check_open()
