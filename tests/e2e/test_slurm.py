@@ -409,6 +409,10 @@ def test_script_trains_one_epoch(slurm, request, tmp_path, train_args, name, nod
                        env=job_env(slurm), sbatch_args=layout(nodes, per_node), cwd=tmp_path)
     _, output = finish(slurm, job, tmp_path, trainer_started(run_dir))
     assert [r["epoch"] for r in epoch_records(run_dir, output)] == [0], output[-4000:]
+    # The trainer found Slurm's nodes itself (no virtual nodes asked for): on
+    # hosts, its physical nodes are the hosts.
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["world_size"], config["num_nodes"], config["ranks_per_node"]) == (nodes * per_node, nodes, None)
 
 
 @pytest.mark.usefixtures("nodes_are_hosts")
