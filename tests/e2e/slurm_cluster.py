@@ -1,36 +1,82 @@
-"""A private Slurm cluster on loopback, for tests.
+"""A private Slurm cluster on this machine, for tests: on loopback, or on emulated hosts.
 
 ``LocalSlurm`` writes a slurm.conf into a temporary directory, starts one
-slurmctld and ``nodes`` slurmd daemons (``slurmd -N n1``, ``-N n2``, ...) on
-127.0.0.1, and stops them again. The emulated nodes all run on this host, so a
-multi-node job is real (separate slurmd, separate job steps, PMI across nodes)
-while costing one machine. Everything lives under the temporary directory:
-config, state, spool, logs and PID files; the ports are picked free at start,
-so two clusters (two test runs) do not clash, and a system Slurm, if any, is
-not touched.
+slurmctld and ``nodes`` slurmd daemons (``slurmd -N n1``, ``-N n2``, ...), and
+stops them again. Everything lives under the temporary directory: config,
+state, spool, logs and PID files; the ports are picked free at start, so two
+clusters (two test runs) do not clash, and a system Slurm, if any, is not
+touched.
 
-    with LocalSlurm(nodes=3, cpus_per_node=2) as slurm:
+Where the nodes run:
+
+- By default all daemons listen on 127.0.0.1: a multi-node job is real as far
+  as Slurm goes (separate slurmd, separate job steps, PMI across nodes), but
+  its ranks share one network stack and one host name, so MPI carries the
+  "inter-node" bytes through shared memory or loopback.
+- With ``hosts`` (an :class:`hsgd.hosts.EmulatedHosts`, see
+  ``hsgd/hosts/__init__.py``), node ``n{i+1}`` is host ``i``: its slurmd runs
+  in that host's network and UTS namespaces (``hosts.exec_command``), with
+  ``NodeAddr`` the host's address and ``NodeHostname`` its name, so a job's
+  tasks on different nodes run on different hosts, each with its own
+  ``eth0`` and host name, and what MPI sends between them crosses the hosts'
+  links (``hosts.counters()``), given ``hosts.tcp_env()`` in the job's
+  environment (sbatch passes the submitting environment on). slurmctld stays
+  in this machine's network namespace and listens on the hosts' bridge
+  (``.1`` of ``hosts.subnet``), which every host reaches over its link, as
+  the client commands here do.
+
+  Slurm binds its listening sockets (``CommunicationParameters=NoInAddrAny,
+  NoCtldInAddrAny``) to the address that ``gethostname()`` resolves to, and
+  the hosts' names resolve nowhere. So every daemon runs in a mount namespace
+  of its own with the cluster's ``/etc/hosts`` bind-mounted (``<dir>/hosts``:
+  every host's name and address, and slurmctld's own host name, in a UTS
+  namespace of its own, for the bridge's address); the job steps, slurmd's
+  children, inherit it, so on a host ``srun`` (in a batch script) listens on
+  the host's address, where the other hosts' slurmstepd reach it, and the
+  hosts resolve each other's names as on a real cluster. This machine's
+  ``/etc/hosts`` is never changed. (An ``srun`` or ``salloc`` started here,
+  outside the hosts, would listen on 127.0.0.1, where no host can reach it:
+  start steps from a batch script.) Under ``ip netns exec`` no cgroup file
+  system is mounted, so the cluster's cgroup.conf names cgroup/v1, which
+  slurmd loads without one (nothing here uses cgroups). The caller makes the
+  hosts and removes them after the cluster (``hosts.close()`` also kills
+  whatever still runs on them: job steps, ranks).
+
+    with EmulatedHosts(3, link="1gbit") as hosts, \
+            LocalSlurm(nodes=3, cpus_per_node=2, hosts=hosts) as slurm:
+        before = hosts.counters()
         job = slurm.submit("scripts/slurm/multi_node.sbatch", ["--epochs", "1"],
-                           sbatch_args=["--nodes=2"], cwd=tmp)
+                           env=hosts.tcp_env(), sbatch_args=["--nodes=2"], cwd=tmp)
         state = slurm.wait(job, timeout=120)      # "COMPLETED", "FAILED", ...
+        hosts.verify_crossed(before, 1 << 20, hosts=[0, 1])
 
-Needs root (slurmd runs jobs as their user and must be able to switch to it)
-and Debian's ``slurmctld slurmd slurm-client`` (see .ci/slurm-setup.sh).
+Needs root (slurmd runs jobs as their user and must be able to switch to it;
+emulated hosts need CAP_NET_ADMIN and CAP_SYS_ADMIN) and Debian's
+``slurmctld slurmd slurm-client`` (see .ci/slurm-setup.sh).
 ``LocalSlurm.unavailable()`` says why a cluster cannot be started here, or
-returns None. Authentication is off (auth/none, cred/none): munge need not run,
-and only loopback can reach the daemons.
+returns None (``hsgd.hosts.missing_capability()`` says the same for hosts).
+Authentication is off (auth/none, cred/none): munge need not run. Keep the
+daemons out of reach of other machines: on loopback only 127.0.0.1 reaches
+them; on hosts, slurmd listens inside the hosts' namespaces, which have no
+route beyond their subnet, and slurmctld on the bridge's private address,
+which another machine reaches only if it routes the hosts' subnet to this
+one on purpose.
 
 Every subprocess call has a timeout, every wait is bounded, and the daemons are
 stopped (SIGTERM, then SIGKILL) by their PID files on exit, even when the test
-fails. They are also started with a parent-death signal, so a killed test run
-takes its daemons with it.
+fails. They are also started with a parent-death signal (on hosts too: the
+commands that enter the namespaces exec each other, so our child is the
+daemon itself), so a killed test run takes its daemons with it; the guard
+process of emulated hosts then removes the hosts and what ran on them.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -51,12 +97,12 @@ FINAL_STATES = {
 CMD_TIMEOUT_S = 30  # for one scontrol / sbatch / squeue call
 
 SLURM_CONF = """\
-# Private test cluster written by tests/e2e/slurm_cluster.py; loopback only.
+# Private test cluster written by tests/e2e/slurm_cluster.py ({where}).
 ClusterName=hsgdtest
 # Job ids unique across clusters on this host: MPICH names its shared-memory
 # segments after the job step, so two clusters both running job 1 would clash.
 FirstJobId={first_job_id}
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost={ctld_host}({ctld_addr})
 SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
@@ -64,7 +110,9 @@ AuthType=auth/none
 CredType=cred/none
 # A requeued job may start again after cred_expire seconds (default 120).
 AuthInfo=cred_expire=5
-# Bind to the configured address (127.0.0.1), not to every interface.
+# Bind to the address the daemon's host name resolves to, not to every
+# interface (slurmd: to its NodeAddr): 127.0.0.1 on loopback; on emulated
+# hosts, every daemon runs with this cluster's own /etc/hosts (see LocalSlurm).
 CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
 
 StateSaveLocation={d}/state
@@ -103,7 +151,16 @@ MessageTimeout=10
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
-NODE_LINE = ("NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 "
+# On emulated hosts slurmd runs under `ip netns exec`, which mounts a sysfs of
+# the host's network namespace over /sys: no cgroup file system under it, and
+# slurmd (22.05) will not start unless its cgroup plugin loads. Version 1 loads
+# without one mounted, and nothing here uses it (proctrack/linuxproc, task/none).
+CGROUP_CONF = """\
+CgroupPlugin=cgroup/v1
+CgroupAutomount=no
+"""
+
+NODE_LINE = ("NodeName={name} NodeHostname={hostname} NodeAddr={addr} "
              "Port={port} CPUs={cpus} RealMemory=1000 State=UNKNOWN")
 
 
@@ -151,11 +208,17 @@ class _DaemonDied(SlurmError):
 
 
 class LocalSlurm:
-    """A slurmctld and ``nodes`` slurmd on 127.0.0.1, in a private temp dir."""
+    """A slurmctld and ``nodes`` slurmd, in a private temp dir: all on 127.0.0.1,
+    or, with ``hosts`` (an :class:`hsgd.hosts.EmulatedHosts` of at least
+    ``nodes`` hosts, which the caller removes after :meth:`cleanup`), node
+    ``n{i+1}``'s slurmd on host ``i`` and slurmctld on the hosts' bridge."""
 
     def __init__(self, nodes: int = 3, cpus_per_node: int = 2,
                  start_timeout: float = 60.0, base_dir: Optional[str] = None,
-                 keep_dir: bool = False):
+                 keep_dir: bool = False, hosts=None):
+        if hosts is not None and len(hosts) < nodes:
+            raise ValueError(f"{nodes} nodes need as many emulated hosts, got {len(hosts)}")
+        self.hosts = hosts
         self.node_names = [f"n{i}" for i in range(1, nodes + 1)]
         self.cpus_per_node = cpus_per_node
         self.start_timeout = start_timeout
@@ -203,10 +266,9 @@ class LocalSlurm:
             self.dir = Path(tempfile.mkdtemp(prefix="hsgd-slurm-", dir=self._base_dir))
             try:
                 self._write_conf()
-                self._spawn("slurmctld", [_which("slurmctld"), "-D", "-f", str(self.conf)])
-                for name in self.node_names:
-                    self._spawn(f"slurmd-{name}",
-                                [_which("slurmd"), "-D", "-N", name, "-f", str(self.conf)])
+                self._spawn("slurmctld", self._ctld_command())
+                for i, name in enumerate(self.node_names):
+                    self._spawn(f"slurmd-{name}", self._slurmd_command(i, name))
                 self._wait_idle()
                 return
             except _DaemonDied:
@@ -223,13 +285,27 @@ class LocalSlurm:
         for name in self.node_names:
             (self.dir / "spool" / name).mkdir()
         ctld_port, *node_ports = _free_ports(1 + len(self.node_names))
+        if self.hosts is None:
+            where = "loopback only"
+            ctld_host, ctld_addr = "localhost", "127.0.0.1"
+            addrs = [("localhost", "127.0.0.1")] * len(self.node_names)
+        else:
+            where = f"emulated hosts {self.hosts.id}"
+            ctld_host, ctld_addr = self.ctld_hostname, self.ctld_address
+            addrs = [(h.name, h.address) for h in self.hosts.hosts[:len(self.node_names)]]
+            (self.dir / "cgroup.conf").write_text(CGROUP_CONF)
+            # The cluster's names, /etc/hosts for every daemon (in a mount namespace
+            # of its own): with NoInAddrAny, Slurm binds to what gethostname() resolves to.
+            (self.dir / "hosts").write_text("".join(
+                f"{a} {n}\n" for n, a in [("localhost", "127.0.0.1"), (ctld_host, ctld_addr), *addrs]))
         nodes = "\n".join(
-            NODE_LINE.format(name=n, port=p, cpus=self.cpus_per_node)
-            for n, p in zip(self.node_names, node_ports))
+            NODE_LINE.format(name=n, hostname=h, addr=a, port=p, cpus=self.cpus_per_node)
+            for n, (h, a), p in zip(self.node_names, addrs, node_ports))
         self.conf = self.dir / "slurm.conf"
         first_job_id = random.randrange(1_000_000, 60_000_000, 1000)
         self.conf.write_text(SLURM_CONF.format(d=self.dir, ctld_port=ctld_port,
-                                               first_job_id=first_job_id,
+                                               first_job_id=first_job_id, where=where,
+                                               ctld_host=ctld_host, ctld_addr=ctld_addr,
                                                node_lines=nodes))
         # Client commands (and, through sbatch's environment, srun inside jobs)
         # find this cluster through SLURM_CONF.
@@ -237,6 +313,41 @@ class LocalSlurm:
         for var in [v for v in self.env if v.startswith(("SLURM_", "SBATCH_", "SRUN_"))]:
             if var != "SLURM_CONF":
                 del self.env[var]
+
+    @property
+    def ctld_hostname(self) -> str:
+        """slurmctld's host name (on emulated hosts: its own, in a UTS namespace)."""
+        return "localhost" if self.hosts is None else f"hsgd-{self.hosts.id}-ctld"
+
+    @property
+    def ctld_address(self) -> str:
+        """Where slurmctld listens: 127.0.0.1, or the emulated hosts' bridge."""
+        if self.hosts is None:
+            return "127.0.0.1"
+        return str(next(ipaddress.ip_network(self.hosts.subnet).hosts()))  # the bridge: .1
+
+    def _ctld_command(self) -> List[str]:
+        ctld = [_which("slurmctld"), "-D", "-f", str(self.conf)]
+        if self.hosts is None:
+            return ctld
+        # This machine's network, but a host name of its own that the cluster's
+        # /etc/hosts gives the bridge's address: slurmctld listens there (only).
+        return ["unshare", "--mount", "--propagation", "private", "--uts", "sh", "-c",
+                'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"',
+                "sh", str(self.dir / "hosts"), self.ctld_hostname, *ctld]
+
+    def _slurmd_command(self, index: int, name: str) -> List[str]:
+        slurmd = [_which("slurmd"), "-D", "-N", name, "-f", str(self.conf)]
+        if self.hosts is None:
+            return slurmd
+        # On host `index` (its network and host name), with the cluster's
+        # /etc/hosts; the job steps are slurmd's children and see the same.
+        # exec_command's remote shell joins its arguments into one command line
+        # for `sh -c`: quoted, and exec'd, so that our child is slurmd itself.
+        return self.hosts.exec_command(index, ["exec", *map(shlex.quote, [
+            "unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount --bind "$1" /etc/hosts && shift && exec "$@"',
+            "sh", str(self.dir / "hosts"), *slurmd])])
 
     def _spawn(self, name: str, cmd: List[str]) -> None:
         log = open(self.dir / "log" / f"{name}.console", "wb")

@@ -1,8 +1,16 @@
-"""Slurm, for real: the project's batch scripts on a private cluster on loopback.
+"""Slurm, for real: the project's batch scripts on a private cluster of emulated hosts.
 
-tests/e2e/slurm_cluster.py starts a slurmctld and three slurmd (emulated nodes
-n1..n3, all on this host) for this module, and every test submits one of
-scripts/slurm/*.sbatch with sbatch and polls the job to its end.
+tests/e2e/slurm_cluster.py starts a slurmctld and three slurmd (nodes n1..n3)
+for this module, and every test submits one of scripts/slurm/*.sbatch with
+sbatch and polls the job to its end. Each slurmd runs on a host of its own
+(hsgd.hosts: network and UTS namespaces, 1 Gbit/s links to a bridge, where
+slurmctld listens), so the ranks of a multi-node job run on different hosts,
+each with its own host name and network stack, hsgd finds those hosts as its
+nodes (MPI_COMM_TYPE_SHARED; HSGD_EMULATED_NODES is not set), and MPI's bytes
+between them cross the links (the job's environment carries the hosts'
+tcp_env(): all hosts share one kernel, and UCX would take shared memory).
+test_script_launches_ranks_across_nodes checks all three, the bytes with the
+links' counters.
 
 Trainer CLI these tests rely on (python -m hsgd.train; see train_args below):
     --epochs N           number of epochs
@@ -26,7 +34,11 @@ test fails with the daemons' errors for it, instead of at JOB_TIMEOUT_S.
 
 Needs root and Slurm (Debian: slurmctld slurmd slurm-client; .ci/slurm-setup.sh
 installs them). Without them the tests skip, except under CI=true, where a
-missing Slurm means the CI setup is broken and the tests fail.
+missing Slurm means the CI setup is broken and the tests fail. The multi-node
+tests also need emulated hosts (CAP_NET_ADMIN and CAP_SYS_ADMIN): where they
+cannot be made, the cluster runs on loopback for the single-node tests, and
+the multi-node ones skip with the reason, or fail under CI=true (the rule of
+tests/hosts/conftest.py).
 """
 
 import json
@@ -38,6 +50,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from hsgd.hosts import EmulatedHosts, HostsUnavailable, missing_capability
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_cluster import LocalSlurm, SlurmError  # noqa: E402
@@ -52,10 +66,17 @@ JOB_TIMEOUT_S = float(os.environ.get("HSGD_SLURM_JOB_TIMEOUT", "300"))
 # load 7-10 (48 start-ups measured).
 STARTUP_TIMEOUT_S = float(os.environ.get("HSGD_SLURM_STARTUP_TIMEOUT", "60"))
 REQUEUE_EXIT = 75
+NODES = 3
+LINK = "1gbit"
+# The rule of tests/hosts/conftest.py: without emulated hosts skip, under CI fail.
+IN_CI = os.environ.get("CI", "").strip().lower() == "true"
+# What a multi-node probe job allreduces (PROBE_CROSS): every node must send
+# and receive at least this much over its link, whatever the algorithm.
+CROSS_COUNT, CROSS_BYTES = 2, 4 << 20
 
 # Stand-in for the trainer: same CLI, reports what each rank sees.
 PROBE = r'''
-import argparse, json, os, signal, sys, time
+import argparse, json, os, signal, socket, sys, time
 from mpi4py import MPI
 from hsgd import Topology
 
@@ -97,10 +118,24 @@ if os.environ.get("PROBE_WAIT_USR1") and restart == 0:
     comm.Barrier()
     sys.exit(REQUEUE_EXIT if got_usr1 else 1)
 
+if os.environ.get("PROBE_CROSS"):
+    # COUNT allreduces of NBYTES: each node's share must cross its link.
+    import numpy as np
+    count, nbytes = map(int, os.environ["PROBE_CROSS"].split(","))
+    data = np.ones(nbytes // 4, dtype=np.float32)
+    out = np.empty_like(data)
+    for _ in range(count):
+        comm.Allreduce(data, out)
+        assert out[0] == comm.Get_size()
+
+shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
 me = dict(rank=rank, size=comm.Get_size(), slurm_node=os.environ.get("SLURMD_NODENAME"),
+          host=socket.gethostname(), interfaces=sorted(os.listdir("/sys/class/net")),
+          shared=shared.allgather(rank),
           node_index=topo.node_index, local_rank=topo.local_rank,
           node_sizes=list(topo.node_sizes), omp=os.environ.get("OMP_NUM_THREADS"),
           netmod=os.environ.get("MPIR_CVAR_CH4_NETMOD"), restart=restart)
+shared.Free()
 ranks = comm.gather(me, root=0)
 if rank == 0:
     with open(os.path.join(run_dir, "probe.json"), "w") as f:
@@ -110,42 +145,76 @@ if rank == 0:
 
 @pytest.fixture(scope="module")
 def slurm():
+    """The module's cluster: its nodes on emulated hosts where they can be made
+    (``slurm.hosts``), else all on loopback (``slurm.hosts`` None), which is
+    enough for the single-node tests; the multi-node ones use ``nodes_are_hosts``.
+    Removed (daemons, then hosts with whatever still runs on them) however the
+    module ends."""
     reason = LocalSlurm.unavailable()
     if reason:
-        if os.environ.get("CI") == "true":
+        if IN_CI:
             pytest.fail(f"CI=true, so Slurm must be testable here, but: {reason}",
                         pytrace=False)
         pytest.skip(reason)
-    cluster = LocalSlurm(nodes=3, cpus_per_node=2)
     try:
-        cluster.start()
-        yield cluster
+        hosts = EmulatedHosts(NODES, link=LINK)
+    except HostsUnavailable:
+        hosts = None  # nodes_are_hosts says why
+    try:
+        cluster = LocalSlurm(nodes=NODES, cpus_per_node=2, hosts=hosts)
+        try:
+            cluster.start()
+            yield cluster
+        finally:
+            cluster.cleanup()
     finally:
-        cluster.cleanup()
+        if hosts is not None:
+            hosts.close()
 
 
-def job_env(**extra):
+@pytest.fixture
+def nodes_are_hosts(slurm):
+    """For a job across nodes: the cluster's nodes must be emulated hosts (their
+    own names and network stacks, MPI's bytes on their links)."""
+    if slurm.hosts is None:
+        why = f"(the multi-node Slurm tests run their nodes on them): {missing_capability()}"
+        if IN_CI:
+            pytest.fail(f"CI=true, but emulated hosts cannot be made here {why}", pytrace=False)
+        pytest.skip(f"emulated hosts {why}")
+
+
+def job_env(slurm, **extra):
     """The job's environment: this Python and its mpiexec, hsgd from this checkout."""
     env = {
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "HSGD_PYTHON": sys.executable,
         "PYTHONPATH": str(ROOT),
         "PYTHONUNBUFFERED": "1",
-        "HSGD_RANKS_PER_NODE": None,   # the script sets it (HSGD_EMULATED_NODES)
-        "HSGD_EMULATED_NODES": "1",
+        "HSGD_RANKS_PER_NODE": None,
+        "HSGD_EMULATED_NODES": None,
         "PROBE_WAIT_USR1": None,
         "PROBE_RAISE": None,
-        # Keep MPI's own traffic on loopback too (UCX or libfabric netmod,
-        # Hydra's proxies); the emulated nodes are all this host anyway.
-        "UCX_NET_DEVICES": "lo",
-        "FI_TCP_IFACE": "lo",
-        "FI_SOCKETS_IFACE": "lo",
-        "HYDRA_IFACE": "lo",
+        "PROBE_CROSS": None,
         # libfabric's native TCP provider for MPICH's OFI netmod (multi_node
         # picks OFI, see the script): the default here, tcp;ofi_rxm, stalled
         # in MPI_Init in about 1 of 5 start-ups of 3 emulated nodes x 2 ranks.
         "FI_PROVIDER": "tcp",
     }
+    if slurm.hosts is not None:
+        # Nodes are hosts: hsgd finds them (MPI_COMM_TYPE_SHARED) as on a real
+        # cluster, and MPI's bytes between them stay on TCP, on the links (all
+        # hosts share one kernel: MPICH's UCX, multi_node_mpiexec's netmod,
+        # would take shared memory without UCX_TLS=tcp,self).
+        env.update(slurm.hosts.tcp_env())
+    else:
+        env.update({
+            # Loopback, single-node jobs only: keep MPI's own traffic on
+            # loopback too (UCX or libfabric netmod, Hydra's proxies).
+            "UCX_NET_DEVICES": "lo",
+            "FI_TCP_IFACE": "lo",
+            "FI_SOCKETS_IFACE": "lo",
+            "HYDRA_IFACE": "lo",
+        })
     env.update(extra)
     return env
 
@@ -237,10 +306,17 @@ CASES = [("single_node", 1, 2), ("multi_node", 3, 2), ("multi_node_mpiexec", 2, 
 
 
 @pytest.mark.parametrize("name,nodes,per_node", CASES)
-def test_script_launches_ranks_across_nodes(slurm, tmp_path, name, nodes, per_node):
+def test_script_launches_ranks_across_nodes(slurm, request, tmp_path, name, nodes, per_node):
+    """Slurm places the ranks node by node, hsgd finds the same nodes; across
+    nodes, every node is a host of its own (its name, its network stack, one
+    MPI_COMM_TYPE_SHARED group) and MPI's bytes between them cross the links."""
+    if nodes > 1:
+        request.getfixturevalue("nodes_are_hosts")
     run_dir = tmp_path / "run"
+    cross = {"PROBE_CROSS": f"{CROSS_COUNT},{CROSS_BYTES}"} if nodes > 1 else {}
+    before = slurm.hosts.counters() if slurm.hosts is not None else None
     job = slurm.submit(probe_script(name, tmp_path), ["--epochs", "1", "--run-dir", run_dir],
-                       env=job_env(), sbatch_args=layout(nodes, per_node), cwd=tmp_path)
+                       env=job_env(slurm, **cross), sbatch_args=layout(nodes, per_node), cwd=tmp_path)
     size = nodes * per_node
     _, output = finish(slurm, job, tmp_path, probe_started(run_dir, size))
     ranks = json.loads((run_dir / "probe.json").read_text())
@@ -248,10 +324,23 @@ def test_script_launches_ranks_across_nodes(slurm, tmp_path, name, nodes, per_no
     assert {r["size"] for r in ranks} == {size}
     # Slurm put ranks 0..per_node-1 on n1, the next on n2, ...; hsgd must agree.
     for r in ranks:
-        assert r["slurm_node"] == f"n{r['rank'] // per_node + 1}", ranks
+        node = r["rank"] // per_node
+        assert r["slurm_node"] == f"n{node + 1}", ranks
         assert (r["node_index"], r["local_rank"]) == divmod(r["rank"], per_node), ranks
         assert r["node_sizes"] == [per_node] * nodes, ranks
         assert r["omp"] == "1", ranks
+        if slurm.hosts is not None:
+            # Node n{i+1} is host i: its host name, only its own interfaces, and
+            # MPI's shared-memory node is that host's ranks (hsgd's physical
+            # nodes above: HSGD_EMULATED_NODES is not set on hosts).
+            assert r["host"] == slurm.hosts.hosts[node].name, ranks
+            assert r["interfaces"] == ["eth0", "lo"], ranks
+            assert r["shared"] == list(range(node * per_node, (node + 1) * per_node)), ranks
+    if nodes > 1:
+        # The allreduces' bytes went over the links of the job's hosts: at
+        # least CROSS_BYTES each way per allreduce (each node needs the others'
+        # sum, and its own data is needed by the others), not through memory.
+        slurm.hosts.verify_crossed(before, CROSS_COUNT * CROSS_BYTES, hosts=range(nodes))
     if name == "multi_node" and "ofi" in mpich_device():
         # srun + PMI: MPICH's OFI netmod, not UCX, whose start-up PMI lines can
         # exceed what Slurm's pmi2 plugin reads and hang the job (see the script).
@@ -259,11 +348,12 @@ def test_script_launches_ranks_across_nodes(slurm, tmp_path, name, nodes, per_no
 
 
 @pytest.mark.parametrize("name", ["multi_node", "multi_node_mpiexec"])
+@pytest.mark.usefixtures("nodes_are_hosts")
 def test_usr1_checkpoint_exit_requeues_the_job(slurm, tmp_path, name):
     """SIGUSR1 reaches every rank; exit 75 makes the script requeue the job."""
     run_dir = tmp_path / "run"
     job = slurm.submit(probe_script(name, tmp_path), ["--run-dir", run_dir],
-                       env=job_env(PROBE_WAIT_USR1="1"), sbatch_args=layout(2, 1),
+                       env=job_env(slurm, PROBE_WAIT_USR1="1"), sbatch_args=layout(2, 1),
                        cwd=tmp_path)
     wait_started(slurm, job, tmp_path, probe_started(run_dir, 2))
     slurm.wait_for(lambda: len(list(run_dir.glob("ready.*"))) == 2, timeout=JOB_TIMEOUT_S,
@@ -278,10 +368,11 @@ def test_usr1_checkpoint_exit_requeues_the_job(slurm, tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["multi_node", "multi_node_mpiexec"])
+@pytest.mark.usefixtures("nodes_are_hosts")
 def test_an_exception_on_one_rank_fails_the_job_instead_of_hanging(slurm, tmp_path, name):
     """Under srun (and mpiexec inside the allocation) hsgd's abort hook ends every rank."""
     run_dir = tmp_path / "run"
-    job = slurm.submit(probe_script(name, tmp_path), ["--run-dir", run_dir], env=job_env(PROBE_RAISE="1"),
+    job = slurm.submit(probe_script(name, tmp_path), ["--run-dir", run_dir], env=job_env(slurm, PROBE_RAISE="1"),
                        sbatch_args=layout(2, 1), cwd=tmp_path)
     _, output = finish(slurm, job, tmp_path, probe_started(run_dir, 2), expect="FAILED")
     assert output.count("Traceback") == 1, output[-4000:]
@@ -309,15 +400,22 @@ def epoch_records(run_dir: Path, output: str):
 
 
 @pytest.mark.parametrize("name,nodes,per_node", TRAIN_CASES)
-def test_script_trains_one_epoch(slurm, tmp_path, train_args, name, nodes, per_node):
+def test_script_trains_one_epoch(slurm, request, tmp_path, train_args, name, nodes, per_node):
+    if nodes > 1:
+        request.getfixturevalue("nodes_are_hosts")
     run_dir = tmp_path / "run"
     job = slurm.submit(SCRIPTS / f"{name}.sbatch",
                        ["--epochs", "1", "--run-dir", run_dir, *train_args],
-                       env=job_env(), sbatch_args=layout(nodes, per_node), cwd=tmp_path)
+                       env=job_env(slurm), sbatch_args=layout(nodes, per_node), cwd=tmp_path)
     _, output = finish(slurm, job, tmp_path, trainer_started(run_dir))
     assert [r["epoch"] for r in epoch_records(run_dir, output)] == [0], output[-4000:]
+    # The trainer found Slurm's nodes itself (no virtual nodes asked for): on
+    # hosts, its physical nodes are the hosts.
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["world_size"], config["num_nodes"], config["ranks_per_node"]) == (nodes * per_node, nodes, None)
 
 
+@pytest.mark.usefixtures("nodes_are_hosts")
 def test_trainer_checkpoints_on_usr1_and_resumes_after_requeue(slurm, tmp_path, train_args):
     """The whole chain: Slurm's warning signal, checkpoint, exit 75, requeue, --resume."""
     epochs = 20  # long enough that the signal lands well before the end
@@ -326,7 +424,7 @@ def test_trainer_checkpoints_on_usr1_and_resumes_after_requeue(slurm, tmp_path, 
     job = slurm.submit(SCRIPTS / "multi_node.sbatch",
                        ["--epochs", epochs, "--run-dir", run_dir, "--resume", "--log-every", "1",
                         *train_args],
-                       env=job_env(), sbatch_args=layout(2, 1), cwd=tmp_path)
+                       env=job_env(slurm), sbatch_args=layout(2, 1), cwd=tmp_path)
     wait_started(slurm, job, tmp_path, trainer_started(run_dir))
     slurm.wait_for(lambda: metrics.exists() and '"event": "epoch"' in metrics.read_text(),
                    timeout=JOB_TIMEOUT_S, what=f"job {job}'s first epoch")
