@@ -20,6 +20,7 @@ training benchmarks run ``python -m hsgd.train`` the same way
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -30,10 +31,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 __all__ = ["mpiexec", "mpi_flavour", "mpi_command", "mpi_env", "run_job", "run_workers", "run_per_rank_count",
-           "free_port"]
+           "free_port", "add_hosts_options", "check_hosts_options", "placement", "Placement"]
 
 
 def mpiexec() -> str:
@@ -123,10 +124,88 @@ def descendants(root: int) -> List[int]:
     return found
 
 
+class Placement(NamedTuple):
+    """Where a benchmark's jobs run: ``ranks_per_host[i]`` ranks on each of ``hosts``, emulated
+    hosts on this machine (:class:`hsgd.hosts.EmulatedHosts`, TCP between them)."""
+    hosts: object
+    ranks_per_host: List[int]
+
+    @property
+    def ranks(self) -> int:
+        return sum(self.ranks_per_host)
+
+    def describe(self) -> str:
+        from ..hosts import format_rate
+
+        rates = sorted({format_rate(h.rate) for h in self.hosts.hosts})
+        return (f"{len(self.hosts)} emulated hosts ({'+'.join(map(str, self.ranks_per_host))} ranks, "
+                f"links {'/'.join(rates)}, TCP)")
+
+
+def add_hosts_options(p) -> None:
+    """``--hosts``, ``--link``, ``--ranks-per-host``: run the jobs across emulated hosts."""
+    group = p.add_argument_group("across hosts emulated on this machine (root only; see python -m hsgd.hosts)")
+    group.add_argument("--hosts", type=int, default=0, help="run each job across this many emulated hosts, "
+                       "each with its own network stack and a shaped link, TCP between them; 0: on this "
+                       "host only (0)")
+    group.add_argument("--link", default="1gbit", metavar="RATE[,RATE...]",
+                       help="every host's link rate in tc's units, or one per host (1gbit)")
+    group.add_argument("--ranks-per-host", default="1", metavar="K[,K...]",
+                       help="ranks on every host, or one count per host (1)")
+
+
+def check_hosts_options(args, parser) -> None:
+    """``parser.error()`` for bad ``--hosts``/``--link``/``--ranks-per-host``; sets
+    ``args.link_rates`` and ``args.host_ranks`` (lists, one per host) when ``--hosts`` is set."""
+    from ..hosts import MAX_HOSTS, parse_rate
+
+    if args.hosts == 0:
+        return
+    if not 1 <= args.hosts <= MAX_HOSTS:
+        parser.error(f"argument --hosts: {args.hosts} is not from 0 to {MAX_HOSTS}")
+
+    def per_host(text: str, what: str) -> List[str]:
+        values = text.split(",")
+        if len(values) not in (1, args.hosts):
+            parser.error(f"argument {what}: {len(values)} values for {args.hosts} hosts: give one, or one per host")
+        return values * args.hosts if len(values) == 1 else values
+
+    args.link_rates = per_host(args.link, "--link")
+    for rate in args.link_rates:
+        try:
+            parse_rate(rate)
+        except ValueError as exc:
+            parser.error(f"argument --link: {exc}")
+    try:
+        args.host_ranks = [int(k) for k in per_host(args.ranks_per_host, "--ranks-per-host")]
+    except ValueError:
+        parser.error(f"argument --ranks-per-host: {args.ranks_per_host!r} is not K or K1,K2,...")
+    if any(k < 0 for k in args.host_ranks) or sum(args.host_ranks) == 0:
+        parser.error("argument --ranks-per-host: counts >= 0, at least one rank in all")
+
+
+@contextlib.contextmanager
+def placement(args) -> Iterator[Optional[Placement]]:
+    """The emulated hosts of ``--hosts`` (made here, removed on exit), or ``None``: this host."""
+    if not getattr(args, "hosts", 0):
+        yield None
+        return
+    from ..hosts import EmulatedHosts, HostsUnavailable
+
+    try:
+        hosts = EmulatedHosts(args.hosts, args.link_rates)
+    except HostsUnavailable as exc:
+        raise SystemExit(f"hsgd.bench: --hosts: {exc}") from None
+    with hosts:
+        yield Placement(hosts, args.host_ranks)
+
+
 def run_workers(subcommand: str, ranks: int, argv: Sequence[str], timeout: Optional[float] = None,
-                drop_env: Sequence[str] = ()):
+                drop_env: Sequence[str] = (), where: Optional[Placement] = None):
     """``mpiexec -n RANKS python -m hsgd.bench SUBCOMMAND ARGV --worker-out FILE``: every rank
     runs the subcommand's ``worker(args)``; returns what rank 0's returned (JSON round trip).
+    With ``where`` (a :class:`Placement`), across its emulated hosts instead (``ranks`` is then
+    its rank count), TCP forced between them.
 
     The workers start with :func:`hsgd.faults.protect`: an exception on one
     rank aborts the job instead of leaving the others in a collective, and
@@ -134,9 +213,13 @@ def run_workers(subcommand: str, ranks: int, argv: Sequence[str], timeout: Optio
     """
     with tempfile.TemporaryDirectory(prefix="hsgd-bench-") as tmp:
         out = Path(tmp) / "worker.json"
-        cmd = mpi_command(ranks, ["-m", "hsgd.bench", subcommand, *argv,
-                                  "--worker-out", str(out)])
-        proc = run_job(cmd, mpi_env(drop=drop_env), timeout)
+        args = ["-m", "hsgd.bench", subcommand, *argv, "--worker-out", str(out)]
+        if where is None:
+            cmd, env = mpi_command(ranks, args), mpi_env(drop=drop_env)
+        else:
+            cmd = where.hosts.mpi_command([sys.executable, *args], where.ranks_per_host)
+            env, ranks = mpi_env(where.hosts.tcp_env(), drop=drop_env), where.ranks
+        proc = run_job(cmd, env, timeout)
         if proc.returncode != 0 or not out.exists():
             raise SystemExit(f"hsgd.bench {subcommand}: the job on {ranks} ranks failed "
                              f"(exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}")
@@ -145,17 +228,21 @@ def run_workers(subcommand: str, ranks: int, argv: Sequence[str], timeout: Optio
 
 def run_per_rank_count(subcommand: str, args, timeout: Optional[float] = None, gloo: bool = False,
                        drop_env: Sequence[str] = ()) -> list:
-    """:func:`run_workers` once for each rank count in ``args.ranks``, progress on stderr; the
-    rows the jobs returned, in order. ``gloo``: each job gets a free TCP port (``--port``) on
-    which its ranks start ``torch.distributed``."""
+    """:func:`run_workers` once for each rank count in ``args.ranks`` (with ``--hosts``: once,
+    across the emulated hosts), progress on stderr; the rows the jobs returned, in order.
+    ``gloo``: each job gets a free TCP port (``--port``) on which its ranks start
+    ``torch.distributed``."""
     from ._harness import Progress
 
     rows = []
-    with Progress(len(args.ranks), f"hsgd.bench {subcommand}", args.progress) as progress:
-        for ranks in args.ranks:
-            port = ["--port", str(free_port())] if gloo else []
-            rows += run_workers(subcommand, ranks, [*args._argv, *port], timeout=timeout, drop_env=drop_env)
-            progress.step(f"{ranks} ranks")
+    with placement(args) as where:
+        counts = args.ranks if where is None else [where.ranks]  # --hosts: one job, its ranks
+        with Progress(len(counts), f"hsgd.bench {subcommand}", args.progress) as progress:
+            for ranks in counts:
+                port = ["--port", str(free_port())] if gloo else []
+                rows += run_workers(subcommand, ranks, [*args._argv, *port], timeout=timeout, drop_env=drop_env,
+                                    where=where)
+                progress.step(f"{ranks} ranks" if where is None else where.describe())
     return rows
 
 

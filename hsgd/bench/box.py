@@ -5,6 +5,7 @@ count)::
 
     python -m hsgd.bench box                          # 2 and 4 ranks, 1M and 10M floats
     python -m hsgd.bench box --ranks 4 --sizes 1e7 --repeats 3 --seconds 2
+    python -m hsgd.bench box --hosts 2 --ranks-per-host 1 --link 1gbit   # as root: across hosts
 
 For every rank count and model size, in the same MPI job, side by side, each
 for ``--seconds`` per repeat (``--warmup`` rounds of all three first,
@@ -29,7 +30,7 @@ from __future__ import annotations
 import time
 
 from ._harness import Result, Table, add_repeat_options, int_at_least, median, positive_float, repeat
-from ._launch import run_per_rank_count
+from ._launch import add_hosts_options, check_hosts_options, run_per_rank_count
 
 METHODS = ("PS", "box", "box, all work")
 COLUMNS = ("ranks", "floats", "PS", "box", "box, all work", "box/PS", "all work/PS")
@@ -43,6 +44,13 @@ def add_arguments(p) -> None:
                    help="float32 elements (1e6 1e7)")
     add_repeat_options(p, repeats=5, warmup=0, what="rounds of the three methods")
     p.add_argument("--seconds", type=positive_float, default=2.0, help="length of one timed run (2)")
+    add_hosts_options(p)
+
+
+def check(args, extra, parser) -> None:
+    check_hosts_options(args, parser)
+    if args.hosts and sum(args.host_ranks) < 2:
+        parser.error("argument --ranks-per-host: the box needs 2 ranks or more (a server and a worker)")
 
 
 def run(args, extra) -> Result:

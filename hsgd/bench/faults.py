@@ -5,6 +5,7 @@ One command (the table in docs/reliability.md)::
     python -m hsgd.bench faults                       # 3 ranks; about 3 minutes
     python -m hsgd.bench faults --ranks 4
     python -m hsgd.bench faults --rows raise kill-rank   # some rows only
+    python -m hsgd.bench faults --hosts 2 --ranks-per-host 2   # as root: across emulated hosts
 
 Each row starts one job (``mpiexec -n RANKS``), injects one fault and
 records the exit status, what the job printed about it, the seconds from
@@ -15,6 +16,13 @@ with ``HierarchicalSGD`` (the ``LOOP`` program below); the trainer jobs are
 ``python -m hsgd.train`` on a small MNIST-1D. Every row is also a test in
 ``tests/`` (named in the last column), run by CI with a timeout. A job
 still running after 300 s is killed and its row says HUNG.
+
+With ``--hosts`` every job runs across hosts emulated on this machine
+(:mod:`hsgd.hosts`, TCP between them), and two more rows are possible: the
+last host dies (every process on it killed, the launcher's proxy
+included), and the last host's link goes down mid-run (a partition; with
+``HSGD_STALL_TIMEOUT=2 HSGD_STALL_ABORT_AFTER=5``, so that the row ends in
+seconds rather than after the default 600 s).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import time
 from pathlib import Path
 
 from ._harness import Progress, Result, Table, int_at_least
-from ._launch import kill_tree, mpi_command, mpi_env, mpi_flavour
+from ._launch import add_hosts_options, check_hosts_options, kill_tree, mpi_command, mpi_env, mpi_flavour, placement
 
 LOOP = """
 import os, sys, time, torch
@@ -38,7 +46,8 @@ from hsgd import HierarchicalSGD
 model = torch.nn.Linear(4, 2)
 opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
 rank, fault, at = MPI.COMM_WORLD.Get_rank(), sys.argv[1], int(sys.argv[2])
-print(f"ready {rank} {os.getpid()}", flush=True)
+sys.stdout.write(f"ready {rank} {os.getpid()}\\n")  # one write: lines from several hosts interleave
+sys.stdout.flush()
 for step in range(at + 50 if fault != "none" else 10**9):
     opt.zero_grad()
     model(torch.randn(8, 4)).sum().backward()
@@ -59,22 +68,36 @@ JOB_TIMEOUT_S = 300
 
 def add_arguments(p) -> None:
     p.add_argument("--ranks", type=int_at_least(2, " (the faults hit rank 1)"), default=3,
-                   help="ranks of every job (3)")
-    p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="which faults (all)")
+                   help="ranks of every job (3; with --hosts, --ranks-per-host sets them)")
+    p.add_argument("--rows", nargs="+", choices=list(ROWS), default=None,
+                   help=f"which faults (all; {', '.join(HOST_ROWS)} only with --hosts)")
+    add_hosts_options(p)
+
+
+def check(args, extra, parser) -> None:
+    check_hosts_options(args, parser)
+    if args.rows is None:
+        args.rows = [row for row in ROWS if args.hosts or row not in HOST_ROWS]
+    if not args.hosts and set(args.rows) & set(HOST_ROWS):
+        parser.error(f"argument --rows: {', '.join(sorted(set(args.rows) & set(HOST_ROWS)))} need --hosts 2 or more")
+    if args.hosts and (args.hosts < 2 or sum(args.host_ranks) < 2 or args.host_ranks[-1] == 0):
+        parser.error("argument --hosts: the faults need 2 hosts or more, 2 ranks or more, and ranks on the last "
+                     "host (the one that dies or is cut off)")
 
 
 def run(args, extra) -> Result:
-    jobs = Jobs(args.ranks)
     raw = []
-    with tempfile.TemporaryDirectory() as tmp, \
+    with tempfile.TemporaryDirectory() as tmp, placement(args) as where, \
             Progress(len(args.rows), "hsgd.bench faults", args.progress) as progress:
+        jobs = Jobs(args.ranks, where)
         for key in args.rows:
             fault, injected, test, (code, err, seconds, left) = ROWS[key](jobs, Path(tmp))
             raw.append({"row": key, "fault": fault, "injected": injected, "exit": code, "said": _said(err),
                         "seconds": seconds, "left": left, "test": test})
             progress.step(key)
+        ranks = f"{args.ranks} ranks" if where is None else where.describe()
     flavour = "Open MPI" if mpi_flavour() == "openmpi" else "MPICH"
-    table = Table(COLUMNS, title=f"{args.ranks} ranks, {flavour}")
+    table = Table(COLUMNS, title=f"{ranks}, {flavour}")
     for r in raw:
         table.rows.append([r["fault"], r["injected"], str(r["exit"]), r["said"], f"{r['seconds']:.1f}",
                            ", ".join(r["left"]) or "nothing", r["test"]])
@@ -82,10 +105,11 @@ def run(args, extra) -> Result:
 
 
 class Jobs:
-    """Starts the jobs of the rows on ``ranks`` ranks and times them."""
+    """Starts the jobs of the rows on ``ranks`` ranks (or across ``where``'s emulated hosts) and
+    times them."""
 
-    def __init__(self, ranks: int):
-        self.ranks = ranks
+    def __init__(self, ranks: int, where=None):
+        self.ranks, self.where = (ranks if where is None else where.ranks), where
 
     def run(self, argv, env=None, kill=None):
         """Start a job, inject ``kill`` once every rank printed ``ready``; returns
@@ -108,21 +132,38 @@ class Jobs:
                 proc.send_signal(signal.SIGTERM)
         return self._finish(proc, start, before)
 
-    def signal_trainer(self, argv):
-        """Start the trainer, send SIGUSR1 to mpiexec once it logged its first step record."""
+    def signal_trainer(self, argv, fault="SIGUSR1", env=None):
+        """Start the trainer; once it logged its first step record, inject ``fault``: SIGUSR1 to
+        mpiexec, ``"host"`` (the last host dies) or ``"link"`` (the last host's link goes down)."""
         before = _snapshot()
-        proc = self._start(argv)
+        proc = self._start(argv, env)
         metrics = Path(argv[argv.index("--run-dir") + 1]) / "metrics.jsonl"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not (metrics.exists() and '"step"' in metrics.read_text()):
             time.sleep(0.2)
         start = time.monotonic()
-        proc.send_signal(signal.SIGUSR1)
-        return self._finish(proc, start, before)
+        last = None if self.where is None else len(self.where.hosts) - 1
+        if fault == "host":
+            self.where.hosts.kill_host(last)
+        elif fault == "link":
+            self.where.hosts.set_link(last, up=False)
+        else:
+            proc.send_signal(signal.SIGUSR1)
+        result = self._finish(proc, start, before)
+        if fault == "link":  # the next rows need the host: end what still runs there, reconnect it
+            self.where.hosts.kill_host(last)
+            self.where.hosts.set_link(last, up=True)
+        return result
 
     def _start(self, argv, env=None):
-        return subprocess.Popen(mpi_command(self.ranks, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=mpi_env(env), start_new_session=True)
+        if self.where is None:
+            cmd, env = mpi_command(self.ranks, argv), mpi_env(env)
+        else:
+            hosts = self.where.hosts
+            cmd = hosts.mpi_command([sys.executable, *argv], self.where.ranks_per_host)
+            env = mpi_env({**hosts.tcp_env(), **(env or {})})
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
 
     def _finish(self, proc, start, before):
         try:
@@ -153,6 +194,19 @@ def _sigusr1(jobs, tmp):
             "test_train.py::test_signal_checkpoints_and_exits_for_requeue", result)
 
 
+def _host_dies(jobs, tmp):
+    result = jobs.signal_trainer([*_train(tmp), "--epochs", "500", "--run-dir", str(tmp / "host")], fault="host")
+    return ("a host dies (trainer)", "every process on the last host killed, its launcher proxy included",
+            "test_faults_hosts.py::test_a_host_that_dies_ends_the_job", result)
+
+
+def _link_down(jobs, tmp):
+    result = jobs.signal_trainer([*_train(tmp), "--epochs", "500", "--run-dir", str(tmp / "link")], fault="link",
+                                 env={"HSGD_STALL_TIMEOUT": "2", "HSGD_STALL_ABORT_AFTER": "5"})
+    return ("a link goes down (trainer)", "the last host's link down mid-run; HSGD_STALL_TIMEOUT=2 "
+            "HSGD_STALL_ABORT_AFTER=5", "test_faults_hosts.py::test_a_link_that_goes_down_*", result)
+
+
 def _damaged_checkpoint(jobs, tmp):
     common = [*_train(tmp), "--run-dir", str(tmp / "damaged"), "--save-every", "10"]
     code, err, _, _ = jobs.run([*common, "--stop-after", "20"])
@@ -174,7 +228,7 @@ def _nonfinite(jobs, tmp):
 
 def _uneven(jobs, tmp):
     result = jobs.run(["-m", "hsgd.train", "--cache-dir", str(tmp / "cache"), "--mnist1d-samples", "10",
-                       "--batch-size", "6", "--epochs", "2", "--sync", "async", "--straggler", "1:3",
+                       "--batch-size", str(2 * jobs.ranks), "--epochs", "2", "--sync", "async", "--straggler", "1:3",
                        "--progress", "lines", "--run-dir", str(tmp / "uneven")])
     return ("uneven work", "8 samples on the ranks, 2 test samples (a rank evaluates none), "
             "--sync async --straggler 1:3",
@@ -199,13 +253,16 @@ ROWS = {
     "checkpoint": _damaged_checkpoint,
     "nonfinite": _nonfinite,
     "uneven": _uneven,
+    "kill-host": _host_dies,
+    "link-down": _link_down,
 }
+HOST_ROWS = ("kill-host", "link-down")  # with --hosts only
 
 
 def _said(err: str) -> str:
     """The job's own words about the fault: hsgd's lines, the launcher's first verdict."""
     keys = ("hsgd", "error:", "Error", "stopped", "damaged", "skipped", "resuming", "BAD TERMINATION",
-            "KILLED", "Terminated", "HUNG")
+            "KILLED", "Terminated", "HUNG", "assert (!closed)")
     lines = [line.strip() for line in err.splitlines() if any(k in line for k in keys)]
     seen, picked = set(), []
     for line in lines:

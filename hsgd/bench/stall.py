@@ -4,10 +4,12 @@ One command (it launches ``mpiexec -n RANKS`` itself)::
 
     python -m hsgd.bench stall                        # 4 ranks, an MLP of 1M parameters
     python -m hsgd.bench stall --params 25000000 --steps 20
+    python -m hsgd.bench stall --hosts 2 --ranks-per-host 1 --link 1gbit --params 2000000   # as root
 
 Two ``HierarchicalSGD`` wrappers over copies of one MLP, one with the
-inspector (``stall_timeout=60``: a 16-byte write to the board before each
-step, a watchdog thread) and one without (``stall_timeout=0``), take turns:
+inspector (``stall_timeout=60``: a store into the rank's own slot of the
+board before each synchronization, a watchdog thread, and across hosts a
+progress thread that serves the board) and one without (``stall_timeout=0``), take turns:
 ``--steps`` training steps each (forward, backward, averaging, SGD update,
 on a fixed batch), ``--repeats`` times after ``--warmup`` untimed turns.
 The table gives rank 0's median step time of each and their ratio.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import time
 
 from ._harness import Progress, Result, Table, add_repeat_options, int_at_least, median, repeat
-from ._launch import run_workers
+from ._launch import add_hosts_options, check_hosts_options, placement, run_workers
 
 COLUMNS = ("stall inspector", "ms per step (each repeat)", "median", "on / off")
 TIMEOUTS = {"off (stall_timeout=0)": 0.0, "on (stall_timeout=60)": 60.0}
@@ -30,14 +32,21 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int_at_least(1), default=100, help="steps per turn (100)")
     add_repeat_options(p, repeats=7, warmup=0, what="turns of each wrapper")
     p.add_argument("--batch", type=int_at_least(1), default=32, help="samples in the fixed batch (32)")
+    add_hosts_options(p)
+
+
+def check(args, extra, parser) -> None:
+    check_hosts_options(args, parser)
 
 
 def run(args, extra) -> Result:
-    with Progress(1, "hsgd.bench stall", args.progress) as progress:
-        raw = run_workers("stall", args.ranks, args._argv)
-        progress.step(f"{args.ranks} ranks")
+    with Progress(1, "hsgd.bench stall", args.progress) as progress, placement(args) as where:
+        raw = run_workers("stall", args.ranks, args._argv, where=where)
+        raw["where"] = "this host" if where is None else where.describe()
+        progress.step(raw["where"])
     off = median(raw["seconds_per_step"]["off (stall_timeout=0)"])
-    table = Table(COLUMNS, title=f"{raw['ranks']} ranks, MLP of {raw['params']} parameters, batch {args.batch}, "
+    table = Table(COLUMNS, title=f"{raw['ranks']} ranks on {raw['where']}, MLP of {raw['params']} parameters, "
+                  f"batch {args.batch}, "
                   f"{args.steps} steps x {args.repeats} repeats after {args.warmup} warm-up, alternating; "
                   "rank 0's median step time")
     for name, times in raw["seconds_per_step"].items():

@@ -134,6 +134,9 @@ def test_model_predicts_without_measuring_and_draws(tmp_path):
     (["lars", "--epochs-4096", "5", "--lars-warmup", "5"], "argument --lars-warmup: 5 warm-up epochs do not fit"),
     (["model", "--gossip-rate", "2"], "argument --gossip-rate: 2 is a fraction of the rounds"),
     (["train", "--period", "3"], "argument --period: 3 is odd"),
+    (["stall", "--hosts", "2", "--link", "fast"], "argument --link: invalid link rate 'fast'"),
+    (["box", "--hosts", "3", "--ranks-per-host", "1,2"], "argument --ranks-per-host: 2 values for 3 hosts"),
+    (["box", "--hosts", "2", "--ranks-per-host", "1,0"], "the box needs 2 ranks or more"),
     (["nosuch"], "argument SUBCOMMAND: invalid choice: 'nosuch'"),
 ])
 def test_a_bad_option_gives_one_error_and_exit_2(args, message):

@@ -134,3 +134,20 @@ def test_the_command_runs_a_job_and_reports_the_links(emulated_hosts):
     assert "link 1gbit" in proc.stderr and "link 100mbit" in proc.stderr, proc.stderr
     sent = [float(x) for x in __import__("re").findall(r"sent ([0-9.]+) MB", proc.stderr)]
     assert len(sent) == 2 and min(sent) >= 2 * MB / 1e6, proc.stderr
+
+
+@pytest.mark.parametrize("name,options,header", [
+    ("stall", ["--params", "1000", "--steps", "3", "--repeats", "1", "--warmup", "0"],
+     "| stall inspector | ms per step (each repeat) | median | on / off |"),
+    ("box", ["--sizes", "1e3", "--repeats", "1", "--seconds", "0.1"],
+     "| ranks | floats | PS | box | box, all work | box/PS | all work/PS |"),
+])
+def test_the_benchmarks_run_across_hosts(emulated_hosts, name, options, header):
+    """``python -m hsgd.bench SUBCOMMAND --hosts 2``, as a user runs it (no timing asserted)."""
+    emulated_hosts()  # the capability check
+    proc = subprocess.run([sys.executable, "-m", "hsgd.bench", name, *options, "--hosts", "2", "--ranks-per-host",
+                           "1", "--link", "1gbit", "--progress", "lines"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=mpi_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert header in proc.stdout.splitlines(), proc.stdout
+    assert "2 emulated hosts (1+1 ranks, links 1gbit, TCP)" in proc.stdout + proc.stderr
