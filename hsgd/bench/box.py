@@ -19,10 +19,15 @@ itself):
   :class:`hsgd.RemoteMemory` and runs no code; a worker's update is
   ``accumulate(-lr * g)`` then ``read(W_g)`` (what :class:`hsgd.AsyncSGD` does);
 * ``box, all work``: as ``box``, but rank 0 works too (the design: the
-  owner of a shard is also a worker).
+  owner of a shard is also a worker);
+* ``box, owner computes``: as ``box``, but rank 0 computes (float32 matrix
+  products) instead of waiting inside MPI. Across hosts over TCP its MPI
+  library must move the bytes of the others' operations: this is what hsgd's
+  progress thread is for (:mod:`hsgd.remote.progress`; compare a run with
+  ``HSGD_PROGRESS=0``). On one host it changes nothing.
 
-Reported: updates per second summed over workers, median over ``--repeats``,
-and the ratio box / PS.
+Reported: updates per second summed over workers (rank 0's own in ``all
+work``), median over ``--repeats``, and the ratios to PS.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ import time
 from ._harness import Result, Table, add_repeat_options, int_at_least, median, positive_float, repeat
 from ._launch import add_hosts_options, check_hosts_options, run_per_rank_count
 
-METHODS = ("PS", "box", "box, all work")
-COLUMNS = ("ranks", "floats", "PS", "box", "box, all work", "box/PS", "all work/PS")
+METHODS = ("PS", "box", "box, all work", "box, owner computes")
+COLUMNS = ("ranks", "floats", "PS", "box", "box, all work", "box, owner computes", "box/PS", "all work/PS",
+           "owner computes/PS")
 STOP = 2  # tag of a worker's last message to the server
 
 
@@ -42,7 +48,7 @@ def add_arguments(p) -> None:
                    help="rank counts (2 4)")
     p.add_argument("--sizes", type=positive_float, nargs="+", default=[1e6, 1e7],
                    help="float32 elements (1e6 1e7)")
-    add_repeat_options(p, repeats=5, warmup=0, what="rounds of the three methods")
+    add_repeat_options(p, repeats=5, warmup=0, what="rounds of the methods")
     p.add_argument("--seconds", type=positive_float, default=2.0, help="length of one timed run (2)")
     add_hosts_options(p)
 
@@ -60,8 +66,9 @@ def run(args, extra) -> Result:
     for row in rows:
         med = {m: median(v) for m, v in row["rates"].items()}
         table.rows.append([row["ranks"], f"{row['floats'] / 1e6:g}M", f"{med['PS']:.0f}", f"{med['box']:.0f}",
-                           f"{med['box, all work']:.0f}", f"{med['box'] / med['PS']:.1f}x",
-                           f"{med['box, all work'] / med['PS']:.1f}x"])
+                           f"{med['box, all work']:.0f}", f"{med['box, owner computes']:.0f}",
+                           f"{med['box'] / med['PS']:.1f}x", f"{med['box, all work'] / med['PS']:.1f}x",
+                           f"{med['box, owner computes'] / med['PS']:.1f}x"])
     return Result([table], rows)
 
 
@@ -91,7 +98,9 @@ def _ps(comm, n, seconds):
     return comm.allreduce(updates) / seconds
 
 
-def _box(comm, n, seconds, owner_works):
+def _box(comm, n, seconds, owner="waits"):
+    """``owner``: what rank 0 does meanwhile: ``"waits"`` (inside MPI), ``"works"`` (updates too)
+    or ``"computes"`` (matrix products, no MPI call)."""
     import torch
 
     from hsgd import RemoteMemory
@@ -99,19 +108,23 @@ def _box(comm, n, seconds, owner_works):
     with RemoteMemory(comm, n, owners=[0]) as mem:
         delta, weights, updates = torch.full((n,), -0.01), torch.empty(n), 0
         comm.Barrier()  # everyone starts together
-        if rank != 0 or owner_works:
-            end = time.perf_counter() + seconds
+        end = time.perf_counter() + seconds
+        if rank != 0 or owner == "works":
             while time.perf_counter() < end:
                 mem.accumulate(0, delta)
                 mem.read(0, weights)
                 updates += 1
+        elif owner == "computes":
+            a = torch.randn(256, 256)
+            while time.perf_counter() < end:
+                a = torch.tanh(a @ a * 0.01)
         rate = comm.allreduce(updates) / seconds
         comm.Barrier()  # every rank has stopped before the region is freed
     return rate
 
 
 def worker(args):
-    """Under mpiexec: per size, rounds of the three methods; rank 0 returns every round's rate."""
+    """Under mpiexec: per size, rounds of the methods; rank 0 returns every round's rate."""
     import torch
     from mpi4py import MPI
     torch.set_num_threads(1)
@@ -122,8 +135,9 @@ def worker(args):
 
         def one_round(n=n):
             return {"PS": _ps(comm, n, args.seconds),
-                    "box": _box(comm, n, args.seconds, owner_works=False),
-                    "box, all work": _box(comm, n, args.seconds, owner_works=True)}
+                    "box": _box(comm, n, args.seconds, "waits"),
+                    "box, all work": _box(comm, n, args.seconds, "works"),
+                    "box, owner computes": _box(comm, n, args.seconds, "computes")}
         rounds = repeat(one_round, args.repeats, args.warmup)
         rows.append({"ranks": comm.Get_size(), "floats": n,
                      "rates": {m: [r[m] for r in rounds] for m in METHODS}})

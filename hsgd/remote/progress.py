@@ -22,9 +22,11 @@ Here, instead:
   ``MPI_Iprobe`` on those communicators, which drives the MPI library's
   progress engine, and receives the doorbells. Idle, it polls every
   ``IDLE_S``, only to hear a doorbell; a doorbell makes it poll every
-  ``HOT_S``, and each poll without one doubles the wait, back to ``IDLE_S``.
-  Bulk transfers need little: the sockets buffer what arrives between polls
-  (16 MB at 1 Gbit/s at 91% of the wire rate with 5 ms between polls).
+  ``HOT_S``, and each poll without one doubles the wait, up to ``WARM_S``
+  for ``WINDOW_S`` after the doorbell (an origin blocked in a long transfer
+  cannot ring again), then back to ``IDLE_S``. Bulk transfers need little:
+  the sockets buffer what arrives between polls (16 MB at 1 Gbit/s at 91%
+  of the wire rate with 5 ms between polls).
 
 Ranks of one host reach each other's memory directly or through MPI's shared
 memory, which needs no progress: a region whose ranks all share one host
@@ -47,11 +49,13 @@ from typing import Dict, Optional
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Doorbells", "ProgressThread", "ENV", "IDLE_S", "HOT_S", "RING_S"]
+__all__ = ["Doorbells", "ProgressThread", "ENV", "IDLE_S", "HOT_S", "WARM_S", "WINDOW_S", "RING_S"]
 
 ENV = "HSGD_PROGRESS"
 IDLE_S = 5e-3    # between polls with no doorbell heard lately
-HOT_S = 100e-6   # the first wait after a doorbell; doubled after each quiet poll, up to IDLE_S
+HOT_S = 100e-6   # the first wait after a doorbell; doubled after each quiet poll...
+WARM_S = 1e-3    # ... up to this while a doorbell came in the last WINDOW_S (a transfer under way,
+WINDOW_S = 50e-3  # its origin blocked in MPI cannot ring again), then up to IDLE_S
 RING_S = 2e-3    # an origin rings one owner at most this often
 _TAG = 31173     # the doorbells' tag, on the region's private communicator
 
@@ -108,13 +112,17 @@ class ProgressThread:
             me._thread.join()
 
     def _run(self) -> None:
-        wait = IDLE_S
+        wait, rung = IDLE_S, -WINDOW_S
         while not self._stop.wait(wait):
             with self._lock:
                 rang = sum(bells.poll() for bells in self._bells.values())
                 idle = min((bells.idle for bells in self._bells.values()), default=IDLE_S)
                 self.polls += 1
-            wait = HOT_S if rang else min(2 * wait, idle)
+            now = time.monotonic()
+            if rang:
+                wait, rung = HOT_S, now
+            else:
+                wait = min(2 * wait, WARM_S if now - rung < WINDOW_S else idle)
 
 
 class Doorbells:

@@ -32,7 +32,8 @@ SMOKE = {
            "| loader/raw |",
            lambda raw: [r["rates"] for r in raw], 1),
     "box": (["--ranks", "2", "--sizes", "1e3", "--repeats", "2", "--seconds", "0.1"],
-            "| ranks | floats | PS | box | box, all work | box/PS | all work/PS |",
+            "| ranks | floats | PS | box | box, all work | box, owner computes | box/PS | all work/PS "
+            "| owner computes/PS |",
             lambda raw: list(raw[0]["rates"].values()), 2),
     "stall": (["--ranks", "2", "--params", "1000", "--steps", "3", "--repeats", "2", "--warmup", "1"],
               "| stall inspector | ms per step (each repeat) | median | on / off |",

@@ -140,7 +140,8 @@ def test_the_command_runs_a_job_and_reports_the_links(emulated_hosts):
     ("stall", ["--params", "1000", "--steps", "3", "--repeats", "1", "--warmup", "0"],
      "| stall inspector | ms per step (each repeat) | median | on / off |"),
     ("box", ["--sizes", "1e3", "--repeats", "1", "--seconds", "0.1"],
-     "| ranks | floats | PS | box | box, all work | box/PS | all work/PS |"),
+     "| ranks | floats | PS | box | box, all work | box, owner computes | box/PS | all work/PS "
+     "| owner computes/PS |"),
 ])
 def test_the_benchmarks_run_across_hosts(emulated_hosts, name, options, header):
     """``python -m hsgd.bench SUBCOMMAND --hosts 2``, as a user runs it (no timing asserted)."""
