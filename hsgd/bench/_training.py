@@ -28,8 +28,9 @@ class Runs:
     ``commands``: every run's command line."""
 
     def __init__(self, ranks: int, tmp: str, cache_dir: Optional[str] = None, extra: Sequence[str] = (),
-                 warmup: int = 1, progress=None, warmup_options: Sequence[str] = ()):
+                 warmup: int = 1, progress=None, warmup_options: Sequence[str] = (), where=None):
         self.ranks, self.tmp, self.extra, self.count = ranks, Path(tmp), list(extra), 0
+        self.where = where  # a Placement: across its emulated hosts instead (ranks: its own)
         self.cache = cache_dir or str(self.tmp / "cache")
         self.progress, self.commands = progress, []
         for _ in range(warmup):
@@ -38,10 +39,15 @@ class Runs:
     def __call__(self, *options: str) -> Tuple[List[dict], float]:
         self.count += 1
         run_dir = self.tmp / f"run{self.count}"
-        cmd = mpi_command(self.ranks, ["-m", "hsgd.train", "--cache-dir", self.cache, "--run-dir", str(run_dir),
-                                       "--progress", "none", *options, *self.extra])
+        args = ["-m", "hsgd.train", "--cache-dir", self.cache, "--run-dir", str(run_dir), "--progress", "none",
+                *options, *self.extra]
+        if self.where is None:
+            cmd, env = mpi_command(self.ranks, args), mpi_env(one_thread=False)
+        else:
+            cmd = self.where.hosts.mpi_command([sys.executable, *args], self.where.ranks_per_host)
+            env = mpi_env(self.where.hosts.tcp_env(), one_thread=False)
         start = time.perf_counter()
-        out = run_job(cmd, mpi_env(one_thread=False))
+        out = run_job(cmd, env)
         seconds = time.perf_counter() - start
         if out.returncode:
             sys.exit(f"hsgd.bench: {' '.join(cmd)} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")

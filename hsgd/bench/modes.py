@@ -5,6 +5,7 @@ One command::
     python -m hsgd.bench modes            # 4 ranks, sync/elastic/async: every part
     python -m hsgd.bench modes --part straggler --ranks 2 --modes sync async
     python -m hsgd.bench modes --part balance --batch-size 2048   # unknown options go to hsgd.train
+    python -m hsgd.bench modes --part accuracy --hosts 2 --ranks-per-host 2   # as root: across hosts
 
 Every run is ``mpiexec -n RANKS python -m hsgd.train --sync MODE`` on the
 default MNIST-1D run (the CNN, AdamW, every other option at its default),
@@ -34,6 +35,7 @@ import statistics
 import tempfile
 
 from ._harness import Progress, Result, Table, int_at_least, median, positive_float
+from ._launch import add_hosts_options, check_hosts_options, placement
 from ._training import Runs
 
 PASSES_ON = True  # options this module does not know go to python -m hsgd.train
@@ -53,6 +55,13 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int_at_least(0), default=1,
                    help="untimed one-epoch runs first; the first generates the data set (1)")
     p.add_argument("--cache-dir", default=None, help="where MNIST-1D is generated (default: a temp dir)")
+    add_hosts_options(p)
+
+
+def check(args, extra, parser) -> None:
+    check_hosts_options(args, parser)
+    if args.hosts and sum(args.host_ranks) < 2:
+        parser.error("argument --ranks-per-host: 2 ranks or more in all (a straggler and another rank)")
 
 
 def run(args, extra) -> Result:
@@ -60,13 +69,15 @@ def run(args, extra) -> Result:
     count = {"accuracy": len(args.modes), "straggler": 2 * len(args.modes) * args.repeats,
              "balance": 2 * args.repeats}
     tables, raw = [], {}
-    with tempfile.TemporaryDirectory() as tmp, \
+    with tempfile.TemporaryDirectory() as tmp, placement(args) as where, \
             Progress(args.warmup + sum(count[p] for p in parts), "hsgd.bench modes", args.progress) as progress:
-        train = Runs(args.ranks, tmp, args.cache_dir, extra, args.warmup, progress)
+        ranks = args.ranks if where is None else where.ranks
+        train = Runs(ranks, tmp, args.cache_dir, extra, args.warmup, progress, where=where)
         for part in parts:
             table, raw[part] = PART_RUNS[part](train, args)
             tables.append(table)
-    tables[0].title = f"{args.ranks} ranks, MNIST-1D default run {' '.join(extra)}\n\n{tables[0].title}"
+        ranks = f"{ranks} ranks" if where is None else where.describe()
+    tables[0].title = f"{ranks}, MNIST-1D default run {' '.join(extra)}\n\n{tables[0].title}"
     return Result(tables, raw)
 
 
