@@ -19,11 +19,9 @@ Every multi-rank test starts its job through :func:`run_mpi` (or
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -31,7 +29,8 @@ from typing import Dict, List, Optional, Sequence
 import pytest
 from leftovers import leftovers, remove, snapshot
 
-from hsgd.bench._launch import descendants  # the same process-tree walk as the benchmarks' launcher
+from hsgd.bench import _launch  # one launcher for the tests and the benchmarks
+from hsgd.bench._launch import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = int(os.environ.get("HSGD_MPI_TEST_TIMEOUT", "420"))
@@ -46,29 +45,15 @@ __all__ = ["ROOT", "TIMEOUT_S", "mpiexec", "mpi_flavour", "mpi_command", "mpi_en
 
 
 def mpiexec() -> str:
-    """The mpiexec next to this Python (a pip MPI wheel), else PATH's."""
-    local = Path(sys.executable).with_name("mpiexec")
-    found = str(local) if local.exists() else shutil.which("mpiexec")
-    if found is None:
-        pytest.fail("mpiexec not found: install the 'mpich' extra "
-                    "(pip install -e '.[mpich,test]') or put your MPI on PATH")
-    return found
+    """The mpiexec next to this Python (a pip MPI wheel), else PATH's; the test fails without one."""
+    try:
+        return _launch.mpiexec()
+    except SystemExit as exc:
+        pytest.fail(str(exc))
 
 
-@functools.cache
-def mpi_flavour(launcher: Optional[str] = None) -> str:
-    """``"openmpi"`` or ``"mpich"``, from ``mpiexec --version``."""
-    out = subprocess.run([launcher or mpiexec(), "--version"], capture_output=True,
-                         text=True, timeout=60)
-    text = (out.stdout + out.stderr).lower()
-    return "openmpi" if ("open mpi" in text or "openrte" in text) else "mpich"
-
-
-def mpi_command(nprocs: int, args: Sequence[str]) -> List[str]:
-    """``mpiexec -n N python ARGS`` with the flags this MPI needs on a small machine."""
-    launcher = mpiexec()
-    extra = ["--oversubscribe"] if mpi_flavour(launcher) == "openmpi" else []
-    return [launcher, *extra, "-n", str(nprocs), sys.executable, *args]
+mpi_flavour = _launch.mpi_flavour  # "openmpi" or "mpich", from mpiexec --version
+mpi_command = _launch.mpi_command  # mpiexec -n N python ARGS, with the flags this MPI needs here
 
 
 def mpi_env(env: Optional[Dict[str, str]] = None, tmpdir: Optional[str] = None) -> Dict[str, str]:

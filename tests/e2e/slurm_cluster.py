@@ -52,7 +52,7 @@ Where the nodes run:
 
 Needs root (slurmd runs jobs as their user and must be able to switch to it;
 emulated hosts need CAP_NET_ADMIN and CAP_SYS_ADMIN) and Debian's
-``slurmctld slurmd slurm-client`` (see .ci/slurm-setup.sh).
+``slurmctld slurmd slurm-client`` (see .ci/setup.sh).
 ``LocalSlurm.unavailable()`` says why a cluster cannot be started here, or
 returns None (``hsgd.hosts.missing_capability()`` says the same for hosts).
 Authentication is off (auth/none, cred/none): munge need not run. Keep the
@@ -236,7 +236,7 @@ class LocalSlurm:
         missing = [b for b in BINARIES if _which(b) is None]
         if missing:
             return (f"Slurm not installed (missing {', '.join(missing)}); "
-                    "run .ci/slurm-setup.sh as root to install it")
+                    "run .ci/setup.sh as root to install it")
         if os.geteuid() != 0:
             return "a private Slurm cluster needs root (slurmd runs jobs as their user)"
         return None

@@ -32,7 +32,7 @@ A job whose ranks are not past MPI_Init STARTUP_TIMEOUT_S after it started
 (the probe's started.* files, the trainer's config.json) is cancelled and the
 test fails with the daemons' errors for it, instead of at JOB_TIMEOUT_S.
 
-Needs root and Slurm (Debian: slurmctld slurmd slurm-client; .ci/slurm-setup.sh
+Needs root and Slurm (Debian: slurmctld slurmd slurm-client; .ci/setup.sh
 installs them). Without them the tests skip, except under CI=true, where a
 missing Slurm means the CI setup is broken and the tests fail. The multi-node
 tests also need emulated hosts (CAP_NET_ADMIN and CAP_SYS_ADMIN): where they
