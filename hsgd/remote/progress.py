@@ -154,7 +154,8 @@ class Doorbells:
         self._last = np.full(comm.Get_size(), -np.inf)
         self._sent = np.zeros(comm.Get_size(), dtype=np.int64)
         self._heard = np.zeros(comm.Get_size(), dtype=np.int64)
-        self._serving = False
+        self._ringing = threading.Lock()  # ring() runs on the caller's threads: a count lost would
+        self._serving = False             # leave a doorbell unreceived when close() frees the comm
         if not self.active:
             return
         wanted = os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -174,12 +175,13 @@ class Doorbells:
         another host and was not rung in the last ``RING_S``."""
         if owner not in self.remote:
             return
-        now = time.monotonic()
-        if now - self._last[owner] < RING_S:
-            return
-        self._last[owner] = now
-        self._sent[owner] += 1
-        self.comm.Isend([np.empty(0, dtype=np.uint8), MPI.BYTE], owner, _TAG).Free()
+        with self._ringing:
+            now = time.monotonic()
+            if now - self._last[owner] < RING_S:
+                return
+            self._last[owner] = now
+            self._sent[owner] += 1
+            self.comm.Isend([np.empty(0, dtype=np.uint8), MPI.BYTE], owner, _TAG).Free()
 
     def poll(self) -> int:
         """(The progress thread.) Drive MPI's progress; receive the doorbells that arrived."""
