@@ -238,8 +238,8 @@ class BackwardOverlap:
         bucket_cap_mb: the size of every bucket but the first.
         passes: backward passes per averaging (``backward_passes_per_step``).
         weight: ``fn()`` -> this rank's factor in the average (batch shares), read per bucket.
-        waiting: ``fn(what)`` -> a context manager around every wait for other ranks (the
-            stall inspector's).
+        waiting: ``fn(what, count=True)`` -> a context manager around every wait for other
+            ranks (the stall inspector's; ``count=False`` for the waits in hooks).
 
     A round goes ``idle`` -> ``open`` (a hook fired) -> ``done`` (:meth:`complete`: at the
     end of the ``passes``-th backward, or in :meth:`consume` for a rank whose backward
@@ -289,7 +289,10 @@ class BackwardOverlap:
             self._missing[b] -= 1
             if self._missing[b] == 0:
                 self._write(b)
-                self.pipeline.advance(block=False)
+                # an inter-node allreduce may run (and wait) in here; on which rank's hook depends
+                # on timing, so the wait is watched but not counted as a synchronization
+                with self.waiting("backward() hook", count=False):
+                    self.pipeline.advance(block=False)
 
     def _end_of_backward(self) -> None:
         """Autograd's last act in a backward pass that reached a parameter: after the

@@ -138,15 +138,20 @@ class StallInspector:
         return self.board is not None
 
     @contextmanager
-    def waiting(self, step: int, what: str = "step()"):
+    def waiting(self, step: int, what: str = "step()", count: bool = True):
         """Around a synchronization that waits for other ranks. Re-entrant: an inner one
-        (``synchronize()`` inside ``step()``) counts as part of the outer."""
+        (``synchronize()`` inside ``step()``) counts as part of the outer. ``count=False``: a
+        wait that not every rank enters alike (an allreduce inside a backward hook, whose turn
+        depends on timing) is reported and ends the job after ``abort_after`` like the others,
+        but is not published as a synchronization of its own: the missing ranks are named
+        against the last one counted."""
         if self.board is None or self._since is not None:
             yield
             return
-        self.entered += 1
         self._step, self._what = int(step), what
-        self._slot[0] = (self.entered << _STEP_BITS) | (self._step & ((1 << _STEP_BITS) - 1))
+        if count:
+            self.entered += 1
+            self._slot[0] = (self.entered << _STEP_BITS) | (self._step & ((1 << _STEP_BITS) - 1))
         self._since = time.monotonic()
         try:
             yield

@@ -128,7 +128,7 @@ class HierarchicalSGD(SyncMode):
                     "mpi4py.rc.thread_level = 'multiple'); or pass overlap=False"))
             self._overlap = BackwardOverlap(self.averager, self._binding, self.bucket_cap_mb,
                                             self.backward_passes_per_step, lambda: self._weight("global"),
-                                            lambda what: self.stall.waiting(self.num_steps, what))
+                                            lambda what, count=True: self.stall.waiting(self.num_steps, what, count))
         except BaseException:
             super()._teardown()
             raise

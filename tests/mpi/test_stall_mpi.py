@@ -86,3 +86,23 @@ def test_zero_disables_and_bad_timeouts_are_refused(comm, monkeypatch):
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="stall timeout"):
             build(bad)
+
+
+def test_a_wait_that_is_not_counted_is_watched_all_the_same(comm, capsys):
+    """An allreduce inside a backward hook (overlap=True) waits on whichever rank's hook ran it:
+    such a wait is reported (and would end the job after stall_abort_after) but publishes no
+    synchronization, so the ranks' counts stay comparable."""
+    from hsgd.faults.stall import StallInspector
+
+    stall = StallInspector(comm, timeout=0.4)
+    with stall.waiting(7, "counted"):
+        comm.Barrier()
+    with stall.waiting(8, "a hook", count=False):
+        time.sleep(1.5)
+    assert stall.entered == 1
+    comm.Barrier()
+    stall.close()
+    reports = [line for line in capsys.readouterr().err.splitlines() if "hsgd stall" in line]
+    assert reports, "no report after 1.5 s in an uncounted wait with a 0.4 s timeout"
+    for line in reports:
+        assert line.endswith("synchronization #1 (step 8, a hook); missing: none (all arrived)"), line
