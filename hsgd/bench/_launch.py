@@ -20,6 +20,7 @@ training benchmarks run ``python -m hsgd.train`` the same way
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
@@ -152,6 +153,7 @@ def add_hosts_options(p) -> None:
                        help="every host's link rate in tc's units, or one per host (1gbit)")
     group.add_argument("--ranks-per-host", default="1", metavar="K[,K...]",
                        help="ranks on every host, or one count per host (1)")
+    group.add_argument("--master-addr", dest="_master", default=None, help=argparse.SUPPRESS)  # gloo's, by run
 
 
 def check_hosts_options(args, parser) -> None:
@@ -240,6 +242,8 @@ def run_per_rank_count(subcommand: str, args, timeout: Optional[float] = None, g
         with Progress(len(counts), f"hsgd.bench {subcommand}", args.progress) as progress:
             for ranks in counts:
                 port = ["--port", str(free_port())] if gloo else []
+                if gloo and where is not None:  # gloo's store on the first host, reached over its link
+                    port += ["--master-addr", where.hosts.hosts[0].address]
                 rows += run_workers(subcommand, ranks, [*args._argv, *port], timeout=timeout, drop_env=drop_env,
                                     where=where)
                 progress.step(f"{ranks} ranks" if where is None else where.describe())

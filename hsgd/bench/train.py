@@ -4,6 +4,7 @@ One command (it launches ``mpiexec`` itself, one job per rank count)::
 
     python -m hsgd.bench train                          # 2 and 4 ranks, both workloads
     python -m hsgd.bench train --ranks 2 --workloads mlp --repeats 3
+    python -m hsgd.bench train --hosts 2 --ranks-per-host 2 --link 1gbit --workloads mlp2m   # as root
 
 In each job, for each workload, every method trains its own copy of the
 same model (same seed, so the same start) on the same synthetic batches
@@ -18,7 +19,21 @@ Workloads: ``mlp``, communication-bound: the MNIST-1D MLP widened to
 parameters), ``--cnn-batch`` 128 samples per rank; and, when asked for,
 ``deep``, communication-bound in many tensors: 8 hidden layers of 1024
 (7.4M parameters in 18 tensors, so that backward yields gradients
-throughout and ``overlap=True`` has something to overlap), ``--mlp-batch``.
+throughout and ``overlap=True`` has something to overlap), ``--mlp-batch``;
+and ``mlp2m``, the MLP 1000-1000-1000-10 of issue 23 (2.0M parameters, 8 MB
+of gradients, inputs of 1000 features), ``--mlp-batch``.
+
+Across emulated hosts (``--hosts``, one job, the hosts are the nodes), the
+methods are those that cross the links: ``no comm``; ``hsgd`` with its
+defaults; ``hsgd leader`` and ``hsgd sharded``; ``hsgd fp16`` (the default
+strategy, ``compression="fp16"``); ``hsgd overlap``; ``DDP`` and ``DDP
+bucket view`` (gloo over the hosts' ``eth0``); ``flat MPI``: one
+``MPI_Allreduce`` of all gradients over every rank, then the step; and
+``Horovod`` when it imports. Next to each time: the megabytes that crossed
+the busiest host's link per step (its ``eth0`` counters, read inside the
+hosts), the wire limit (those bytes over ``--link``'s rate, plus the step
+without communication) and the fraction of it the step reached, and the
+samples/s relative to DDP's.
 
 Methods, synchronous (gradients averaged every step):
 
@@ -60,13 +75,17 @@ import time
 from collections import OrderedDict
 
 from ._harness import Result, Table, add_repeat_options, int_at_least, median
-from ._launch import run_per_rank_count
+from ._launch import add_hosts_options, check_hosts_options, run_per_rank_count
+from ._links import LinkMeter, init_gloo, link_rates, on_hosts, wire_limit
 
-WORKLOADS = ("mlp", "cnn", "deep")
+WORKLOADS = ("mlp", "cnn", "deep", "mlp2m")
 DEFAULT_WORKLOADS = ("mlp", "cnn")
 DEEP_LAYERS, DEEP_WIDTH = 8, 1024  # 'deep': 8 hidden layers of 1024, 7.4M parameters in 18 tensors
 SYNC = ("no comm", "hsgd", "hsgd overlap", "hsgd leader 2n", "hsgd sharded 2n", "hsgd overlap sharded 2n",
         "DDP", "DDP bucket view", "Horovod")
+HOSTS = ("no comm", "hsgd", "hsgd leader", "hsgd sharded", "hsgd fp16", "hsgd overlap", "DDP", "DDP bucket view",
+         "flat MPI", "Horovod")  # across emulated hosts
+MLP2M = (1000, 1000, 1000, 10)  # 'mlp2m': issue 23's MLP, 2.0M parameters
 LOCAL = ("hsgd local", "torch periodic", "hsgd local 2n", "torch hierarchical")
 MLP_HIDDEN = 2950  # 40*2950 + 2950*2950 + 2950*10 weights: 8.85M parameters with the biases
 SAMPLE, CLASSES = (40,), 10  # MNIST-1D
@@ -85,9 +104,11 @@ def add_arguments(p) -> None:
                    help="local SGD period P; even (the 2-node runs average in the node every P/2) (4)")
     p.add_argument("--no-local", dest="local", action="store_false", help="skip the local-SGD methods")
     p.add_argument("--port", dest="_port", type=int, default=0, help=argparse.SUPPRESS)  # gloo's, set by run()
+    add_hosts_options(p)
 
 
 def check(args, extra, parser) -> None:
+    check_hosts_options(args, parser)
     if args.period % 2:
         parser.error(f"argument --period: {args.period} is odd; the 2-node local SGD averages in the "
                      f"node every P/2 steps: use an even period such as {args.period + 1}")
@@ -95,7 +116,7 @@ def check(args, extra, parser) -> None:
 
 def run(args, extra) -> Result:
     rows = run_per_rank_count("train", args, timeout=3600, gloo=True, drop_env=["HSGD_RANKS_PER_NODE"])
-    return Result(_tables(rows, args), rows)
+    return Result(_host_tables(rows, args) if on_hosts(args) else _tables(rows, args), rows)
 
 
 # --- tables -------------------------------------------------------------------------------
@@ -105,6 +126,35 @@ def _ms(seconds) -> str:
 
 def _ratio(a, b) -> str:
     return "-" if a is None or b is None else f"{a / b:.2f}x"
+
+
+def _host_tables(rows, args):
+    """Across hosts: one table per workload, a row per method."""
+    title = (f"median of {args.repeats} repeats of {args.steps} steps after {args.warmup} warm-up (slowest "
+             f"rank), {args.hosts} emulated hosts, ranks {args.ranks_per_host} per host, links {args.link}")
+    tables = []
+    for r in rows:
+        step = {k: median(v) / args.steps for k, v in r["times"].items() if v}
+        ddp = step.get("DDP")
+        table = Table(["method", "ms per step", "samples/s", "MB per step on the busiest link", "wire limit ms",
+                       "of the wire limit", "samples/s / DDP's"],
+                      title=f"{r['workload']} ({r['numel'] / 1e6:.2f}M parameters), batch {r['batch']} per rank: "
+                            f"{title}",
+                      notes=["MB: the larger of sent and received on the busiest host's link (eth0's counters), "
+                             "per step; wire limit: the no-communication step plus those bytes over the link rate",
+                             *r["skipped"]])
+        for name in HOSTS:
+            if name not in step:
+                continue
+            crossed, limit = r["crossed"].get(name), r["limits"].get(name)
+            busiest = None if not crossed else max(max(c) for c in crossed) / (args.steps * r["timed_repeats"])
+            table.rows.append([name, _ms(step[name]), f"{r['ranks'] * r['batch'] / step[name]:.0f}",
+                               "-" if busiest is None else f"{busiest / 1e6:.2f}",
+                               "-" if limit is None or name == "no comm" else _ms(limit),
+                               "-" if limit is None or name == "no comm" else f"{limit / step[name]:.0%}",
+                               _ratio(ddp, step[name])])
+        tables.append(table)
+    return tables
 
 
 def _tables(rows, args):
@@ -165,6 +215,10 @@ def _model(workload: str):
     torch.manual_seed(0)
     if workload == "mlp":
         return MLP(SAMPLE[0], CLASSES, hidden=MLP_HIDDEN)
+    if workload == "mlp2m":
+        sizes = MLP2M
+        layers = [m for a, b in zip(sizes[:-2], sizes[1:-1]) for m in (torch.nn.Linear(a, b), torch.nn.ReLU())]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(*sizes[-2:]))
     if workload == "deep":
         widths = [SAMPLE[0]] + [DEEP_WIDTH] * DEEP_LAYERS
         layers = [m for a, b in zip(widths, widths[1:]) for m in (torch.nn.Linear(a, b), torch.nn.ReLU())]
@@ -242,6 +296,62 @@ def _methods(workload, batches, comm, topologies, period, local: bool, skipped: 
     return made
 
 
+class _FlatAllreduce:
+    """``flat MPI``: after backward, one ``MPI_Allreduce`` of all gradients (flattened) over every
+    rank, the mean copied back, then the inner optimizer's step: the flat baseline."""
+
+    def __init__(self, inner, model, comm):
+        import torch
+
+        self.inner, self.comm, self.params = inner, comm, [p for p in model.parameters() if p.requires_grad]
+        self.flat = torch.zeros(sum(p.numel() for p in self.params))
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def step(self) -> None:
+        from mpi4py import MPI
+
+        offset = 0
+        for p in self.params:
+            self.flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        self.comm.Allreduce(MPI.IN_PLACE, self.flat.numpy(), op=MPI.SUM)
+        self.flat.mul_(1.0 / self.comm.size)
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(self.flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+        self.inner.step()
+
+
+def _host_methods(workload, batches, comm, topology, skipped: list):
+    """The methods across emulated hosts (the hosts are the nodes), in order; collective."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hsgd import HierarchicalSGD
+
+    plain = lambda inner, model: inner  # noqa: E731
+    made = OrderedDict()
+    made["no comm"] = _Method(workload, batches, plain)
+    made["hsgd"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(o, m, topology=topology))
+    for how in ("leader", "sharded"):
+        made[f"hsgd {how}"] = _Method(workload, batches, lambda o, m, how=how: HierarchicalSGD(
+            o, m, topology=topology, inter_node=how))
+    made["hsgd fp16"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+        o, m, topology=topology, compression="fp16"))
+    made["hsgd overlap"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+        o, m, topology=topology, overlap=True))
+    for name, view in (("DDP", False), ("DDP bucket view", True)):
+        made[name] = _Method(workload, batches, plain, model_wrap=lambda m, view=view: DistributedDataParallel(
+            m, gradient_as_bucket_view=view))
+    made["flat MPI"] = _Method(workload, batches, lambda o, m: _FlatAllreduce(o, m, comm))
+    horovod = _horovod(skipped)
+    if horovod is not None:
+        made["Horovod"] = _Method(workload, batches, lambda o, m: _horovod_optimizer(horovod, o, m))
+    return made
+
+
 def _horovod(skipped: list):
     """``horovod.torch`` initialized, or None (and why, in ``skipped``)."""
     try:
@@ -258,11 +368,12 @@ def _horovod_optimizer(hvd, inner, model):
     return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
 
 
-def _batches(count, per_rank, rank):
+def _batches(count, per_rank, rank, workload):
     import torch
 
+    shape = (MLP2M[0],) if workload == "mlp2m" else SAMPLE
     gen = torch.Generator().manual_seed(1000 + rank)
-    return [(torch.randn(per_rank, *SAMPLE, generator=gen), torch.randint(0, CLASSES, (per_rank,), generator=gen))
+    return [(torch.randn(per_rank, *shape, generator=gen), torch.randint(0, CLASSES, (per_rank,), generator=gen))
             for _ in range(count)]
 
 
@@ -277,42 +388,62 @@ def worker(args):
     from .allreduce import _timed
 
     comm = MPI.COMM_WORLD
-    topologies = {1: Topology.from_comm(comm, ranks_per_node=comm.size)}
-    if comm.size % 2 == 0:
-        topologies[2] = Topology.from_comm(comm, ranks_per_node=comm.size // 2)
+    hosts = on_hosts(args)
+    if hosts:  # the hosts are the nodes
+        topologies = {"hosts": Topology.from_comm(comm)}
+    else:
+        topologies = {1: Topology.from_comm(comm, ranks_per_node=comm.size)}
+        if comm.size % 2 == 0:
+            topologies[2] = Topology.from_comm(comm, ranks_per_node=comm.size // 2)
     threads = os.environ.get("OMP_NUM_THREADS", "")
+    local_size = next(iter(topologies.values())).local_size
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
-                          else max(1, len(os.sched_getaffinity(0)) // topologies[1].local_size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args._port}", rank=comm.rank,
-                            world_size=comm.size)
+                          else max(1, len(os.sched_getaffinity(0)) // local_size))
+    init_gloo(args, comm, args._port)
+    meter = LinkMeter(comm) if hosts else None
     rows = []
     for workload in args.workloads:
         per_rank = args.cnn_batch if workload == "cnn" else args.mlp_batch
         skipped = []
-        methods = _methods(workload, _batches(args.batches, per_rank, comm.rank), comm, topologies,
-                           args.period, args.local, skipped)
+        batches = _batches(args.batches, per_rank, comm.rank, workload)
+        if hosts:
+            methods = _host_methods(workload, batches, comm, topologies["hosts"], skipped)
+        else:
+            methods = _methods(workload, batches, comm, topologies, args.period, args.local, skipped)
         names = list(methods)
         times = {name: [] for name in names}
+        crossed = {name: None for name in names}  # per host: (sent, received), summed over the timed repeats
         step = 0
         for round_ in range(args.warmup + args.repeats):
             shift = round_ % len(names)
             for name in names[shift:] + names[:shift]:
                 comm.Barrier()
+                if meter is not None:
+                    meter.start()
                 start = time.perf_counter()
                 for i in range(step, step + args.steps):
                     methods[name].step(i)
                 seconds = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+                moved = meter.stop() if meter is not None else None
                 if round_ >= args.warmup:
                     times[name].append(seconds)
+                    if moved is not None:
+                        crossed[name] = [tuple(a + b for a, b in zip(c, m)) for c, m in
+                                         zip(crossed[name] or [(0, 0)] * len(moved), moved)]
             step += args.steps
         average = _timed(comm, methods["hsgd"].opt.averager.average,  # "global": over all ranks
                          argparse.Namespace(repeats=args.repeats * args.steps, warmup=1))
         numel = sum(p.numel() for p in methods["hsgd"].model.parameters())
         for name in names:
             methods[name].close()
-        rows.append({"workload": workload, "ranks": comm.size, "batch": per_rank, "numel": numel,
-                     "threads": torch.get_num_threads(), "times": times, "average": average,
-                     "skipped": skipped})
+        row = {"workload": workload, "ranks": comm.size, "batch": per_rank, "numel": numel,
+               "threads": torch.get_num_threads(), "times": times, "average": average, "skipped": skipped}
+        if hosts:
+            floor = median(times["no comm"]) / args.steps
+            total = args.steps * args.repeats  # the steps the counters covered
+            row.update(crossed=crossed, timed_repeats=args.repeats,
+                       limits={n: wire_limit(c, link_rates(args), floor, total) for n, c in crossed.items()})
+        rows.append(row)
     dist.destroy_process_group()
     for topo in topologies.values():
         topo.close()

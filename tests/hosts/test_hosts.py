@@ -139,6 +139,9 @@ def test_the_command_runs_a_job_and_reports_the_links(emulated_hosts):
 @pytest.mark.parametrize("name,options,header", [
     ("stall", ["--params", "1000", "--steps", "3", "--repeats", "1", "--warmup", "0"],
      "| stall inspector | ms per step (each repeat) | median | on / off |"),
+    ("train", ["--workloads", "cnn", "--steps", "1", "--repeats", "1", "--warmup", "0"],
+     "| method | ms per step | samples/s | MB per step on the busiest link | wire limit ms | of the wire limit "
+     "| samples/s / DDP's |"),
     ("box", ["--sizes", "1e3", "--repeats", "1", "--seconds", "0.1"],
      "| ranks | floats | PS | box | box, all work | box, owner computes | box/PS | all work/PS "
      "| owner computes/PS |"),
