@@ -58,6 +58,7 @@ import torch
 
 from .._engine.agree import collective_error
 from ..errors import InputValueError
+from .abort import flush_to_launcher
 
 __all__ = ["StallInspector", "WatchedComm", "DEFAULT_TIMEOUT_S", "DEFAULT_ABORT_AFTER_S", "TIMEOUT_ENV", "ABORT_ENV",
            "ABORT_AFTER_ENV", "EXIT_GRACE_S"]
@@ -196,7 +197,7 @@ class StallInspector:
         from mpi4py import MPI
 
         sys.stderr.write(f"[rank {self.rank}] hsgd stall: aborting the job ({why})\n")
-        sys.stderr.flush()
+        flush_to_launcher()
         # MPI_Abort may wait for a launcher that waits for a lost host: leave anyway.
         threading.Timer(EXIT_GRACE_S, os._exit, (1,)).start()
         MPI.COMM_WORLD.Abort(1)
