@@ -54,6 +54,7 @@ class HalfCodec:
         from mpi4py import MPI
 
         self.name, self.dtype = name, _DTYPES[name]
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()  # bytes per value on the wire
         self._op = MPI.Op.Create(_adder(self.dtype), commute=True)
         self._wire: Optional[torch.Tensor] = None
 
@@ -71,6 +72,20 @@ class HalfCodec:
         comm.Allreduce(MPI.IN_PLACE, [wire.view(torch.int16).numpy(), MPI.INT16_T], op=self._op)
         tensor.view(-1).copy_(wire).mul_(parties)
         return allreduce_bytes(n * wire.element_size(), parties)
+
+    def start_allreduce(self, comm, tensor: torch.Tensor):
+        """:meth:`allreduce_` without waiting, on a wire buffer of its own: returns (the
+        ``Iallreduce`` request, a function that casts the sums back into ``tensor`` once it
+        completed)."""
+        from mpi4py import MPI
+
+        parties = comm.Get_size()
+        wire = tensor.view(-1).mul(1.0 / parties).to(self.dtype)
+        request = comm.Iallreduce(MPI.IN_PLACE, [wire.view(torch.int16).numpy(), MPI.INT16_T], op=self._op)
+
+        def finish() -> None:
+            tensor.view(-1).copy_(wire).mul_(parties)
+        return request, finish
 
     def close(self) -> None:
         if self._op is not None:

@@ -31,6 +31,8 @@ Example::
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import warnings
 from typing import Optional
@@ -43,12 +45,58 @@ from ._engine.traffic import allreduce_bytes
 from .compression import make_codec
 from .errors import InputValueError
 
-__all__ = ["LeaderAllreduce", "ShardedAllreduce", "make_inter_node", "STRATEGIES", "CHUNK_BYTES"]
+__all__ = ["LeaderAllreduce", "ShardedAllreduce", "Pending", "make_inter_node", "STRATEGIES", "CHUNK_BYTES"]
 
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("leader", "sharded")
 CHUNK_BYTES = 4 << 20  # the largest single inter-node allreduce
+
+
+class Pending:
+    """Sums under way (:meth:`_Strategy.start_allreduce`), one chunk after another: ``test()``
+    moves them on and says whether all are done, ``wait()`` blocks until they are; ``sent``:
+    the bytes this rank sends. Each chunk is a ``fn() -> (request, finish or None)``, started
+    when the one before it completed: on a link the chunks share the wire anyway, and one at a
+    time each crosses at the link rate, the first done soonest."""
+
+    def __init__(self, chunks, sent: int):
+        self._chunks, self.sent = collections.deque(chunks), sent
+        self._request, self._finish, self._then = None, None, []
+        self.done = False
+        self._next()
+
+    def _next(self) -> None:
+        """Start the next chunk, or complete."""
+        if self._chunks:
+            self._request, self._finish = self._chunks.popleft()()
+            return
+        self._request, self.done = None, True
+        for fn in self._then:
+            fn()
+        self._then = []
+
+    def _finished(self) -> None:
+        if self._finish is not None:
+            self._finish()
+        self._next()
+
+    def then(self, fn) -> None:
+        """Call ``fn()`` once the sums are done (at once if they are)."""
+        if self.done:
+            fn()
+        else:
+            self._then.append(fn)
+
+    def test(self) -> bool:
+        while not self.done and self._request.Test():
+            self._finished()
+        return self.done
+
+    def wait(self) -> None:
+        while not self.done:
+            self._request.Wait()
+            self._finished()
 
 
 class _Strategy:
@@ -77,6 +125,25 @@ class _Strategy:
             sent += allreduce_bytes(part.numel() * part.element_size(), self.comm.Get_size())
         return sent
 
+    def start_allreduce(self, tensor: torch.Tensor) -> Pending:
+        """:meth:`_allreduce` without waiting: one ``Iallreduce`` per chunk, one after another,
+        in the same order on every rank of ``comm``; ``tensor`` holds the sums once the returned
+        :class:`Pending` is done."""
+        chunks, sent = [], 0
+        step = max(1, CHUNK_BYTES // max(1, tensor.element_size()))
+        for lo in range(0, tensor.numel(), step):
+            part = tensor[lo:lo + step]
+            if self.codec is not None:
+                chunks.append(functools.partial(self.codec.start_allreduce, self.comm, part))
+                sent += allreduce_bytes(part.numel() * self.codec.itemsize, self.comm.Get_size())
+            else:
+                chunks.append(functools.partial(self._start_exact, part))
+                sent += allreduce_bytes(part.numel() * part.element_size(), self.comm.Get_size())
+        return Pending(chunks, sent)
+
+    def _start_exact(self, part: torch.Tensor):
+        return self.comm.Iallreduce(MPI.IN_PLACE, part.numpy(), op=MPI.SUM), None
+
     def close(self) -> None:
         if self.codec is not None:
             self.codec.close()
@@ -96,6 +163,10 @@ class LeaderAllreduce(_Strategy):
         """Allreduce the node sum (leaders only); returns the bytes sent."""
         return 0 if self.comm is None else self._allreduce(node_sum)
 
+    def start_allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> Pending:
+        """:meth:`allreduce_` without waiting (leaders only; the others get a done ``Pending``)."""
+        return Pending((), 0) if self.comm is None else self.start_allreduce(node_sum)
+
 
 class ShardedAllreduce(_Strategy):
     """Every local rank allreduces its slice across nodes (equal nodes only)."""
@@ -114,6 +185,10 @@ class ShardedAllreduce(_Strategy):
     def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> int:
         """Allreduce this rank's slice ``[lo, hi)`` of the node sum; returns the bytes sent."""
         return self._allreduce(node_sum[lo:hi])
+
+    def start_allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> Pending:
+        """:meth:`allreduce_` without waiting."""
+        return self.start_allreduce(node_sum[lo:hi])
 
     def close(self) -> None:
         super().close()

@@ -137,6 +137,18 @@ class HierarchicalAverager:
         mine_lo, mine_hi = self.slots.my_slice(seg, (lo, hi))
         self.traffic.add_inter(self.inter.allreduce_(self.slots.slot(0, seg)[lo:hi], mine_lo - lo, mine_hi - lo))
 
+    def start_across(self, span):
+        """:meth:`across_of` without waiting: returns the level-2 strategy's
+        :class:`~hsgd.inter_node.Pending`; its time from now to its completion is reported as
+        the ``"inter"`` phase when it completes."""
+        seg, lo, hi = span
+        mine_lo, mine_hi = self.slots.my_slice(seg, (lo, hi))
+        start = time.perf_counter()
+        pending = self.inter.start_allreduce_(self.slots.slot(0, seg)[lo:hi], mine_lo - lo, mine_hi - lo)
+        self.traffic.add_inter(pending.sent)
+        pending.then(lambda: self.report("inter", start, time.perf_counter()))
+        return pending
+
     def spread_of(self, span, scale: float) -> None:
         """This rank's slice of ``span`` in every slot := ``scale`` * that of slot 0."""
         self.traffic.add_intra(self.slots.broadcast_from_first(scale, span))

@@ -23,6 +23,18 @@ a bucket:
   leader, once every slice is in, allreduces the bucket with the other leaders
   and says so (``CROSSED``); then each rank spreads its slice.
 
+The inter-node allreduce runs in the background (``Iallreduce``, in chunks of
+at most :data:`hsgd.inter_node.CHUNK_BYTES`, one bucket on the wire at a time):
+backward and the reduction of the next buckets go on while bucket i crosses.
+Over TCP a non-blocking allreduce moves only while its rank is inside MPI, so
+the hooks test it, and, where MPI allows calls from any thread
+(``MPI_THREAD_MULTIPLE``), a poller thread enters MPI every :data:`POLL_S`
+while one is under way and backward computes between hooks. Across two hosts
+at 1 Gbit/s (2 ranks each, the ``deep`` workload, 29.7 MB of gradients)
+``bucket_cap_mb=4`` took 311-319 ms a step against 341 ms without overlap;
+with the default 25 MB buckets the gradients come in three buckets, the big
+one at the end of backward, and overlap gains nothing (docs/benchmarks.md).
+
 At each hook a rank does what the board allows without waiting. The first
 hook of a backward pass queues a callback that autograd runs when the pass
 ends; at the end of the ``backward_passes_per_step``-th pass it completes the
@@ -56,6 +68,7 @@ must allow calls from them (``MPI_THREAD_SERIALIZED``, checked).
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import threading
@@ -71,6 +84,7 @@ from ..intra_node import _aligned
 __all__ = ["Bucket", "plan_buckets", "BackwardOverlap", "FIRST_BUCKET_MB"]
 
 FIRST_BUCKET_MB = 1.0  # DDP's first bucket: small, so that averaging starts early
+POLL_S = 0.001         # how often the poller enters MPI while an inter-node allreduce is under way
 _WRITTEN, _REDUCED, _CROSSED = range(3)
 
 
@@ -115,7 +129,8 @@ def plan_buckets(layout, numels: Sequence[int], cap_bytes: float,
 class _Stage(NamedTuple):
     waits_for: Optional[Tuple[int, object]]  # (flag, local ranks) every one of which must show this round
     run: Optional[object]                    # fn(span), or None: nothing to do on this rank
-    posts: Optional[int]                     # the flag this rank sets after running
+    posts: Optional[int]                     # the flag this rank sets after running (or completing)
+    start: Optional[object] = None           # fn(span) -> a Pending: work that goes on in the background
 
 
 class _Pipeline:
@@ -144,7 +159,25 @@ class _Pipeline:
             self.win.Free()
             raise
         self.round = 1
-        self._next = [0] * len(self.stages)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._next = [0] * len(self.stages)    # per stage: the next bucket to finish
+        self._issued = [0] * len(self.stages)  # per background stage: the next bucket to start
+        self._inflight = [collections.deque() for _ in self.stages]  # their Pendings, oldest first
+
+    @property
+    def busy(self) -> bool:
+        """Whether background work (an inter-node allreduce) is under way."""
+        return any(self._inflight)
+
+    def poll(self) -> None:
+        """Move the background work on (test it, start the next bucket), running no other
+        stage: over TCP a non-blocking allreduce moves only while its rank is inside MPI."""
+        n = len(self.buckets)
+        for k, stage in enumerate(self.stages):
+            if stage.start is not None:
+                self._step(k, stage, n if k == 0 else self._next[k - 1])
 
     @staticmethod
     def _stages(averager, topo, scale: float) -> List[_Stage]:
@@ -157,16 +190,13 @@ class _Pipeline:
         if topo.num_nodes == 1:
             return [_Stage((_WRITTEN, everyone), intra(averager.node_mean_of, scale=scale), None)]
         reduce, spread = intra(averager.reduce_of), intra(averager.spread_of, scale=scale / topo.size)
-        across = functools.partial(averager.timed, "inter", averager.across_of)
-        if averager.inter_node == "sharded":
-            def slice_through(span):  # this rank's slice alone, start to end
-                reduce(span)
-                across(span)
-                spread(span)
-            return [_Stage((_WRITTEN, everyone), slice_through, None)]
+        across = averager.start_across  # in the background: backward and the other buckets go on
+        if averager.inter_node == "sharded":  # this rank's slice alone: no local rank waits for another's
+            return [_Stage((_WRITTEN, everyone), reduce, None), _Stage(None, None, None, across),
+                    _Stage(None, spread, None)]
         leader = averager.slots.local_rank == 0
         return [_Stage((_WRITTEN, everyone), reduce, _REDUCED),
-                _Stage((_REDUCED, everyone), across, _CROSSED) if leader else _Stage(None, None, None),
+                _Stage((_REDUCED, everyone), None, _CROSSED, across) if leader else _Stage(None, None, None),
                 _Stage((_CROSSED, [0]), spread, None)]
 
     def _memory_barrier(self) -> None:
@@ -187,27 +217,54 @@ class _Pipeline:
         self._memory_barrier()  # the other ranks' stores, after their flags
         return True
 
+    def _step(self, k: int, stage: _Stage, limit: int) -> bool:
+        """Move stage ``k`` as far as the board allows (buckets below ``limit``); whether it moved.
+        A background stage starts every bucket it may and finishes those done, in order."""
+        moved = False
+        if stage.start is None:
+            while self._next[k] < limit and self._ready(stage, self._next[k]):
+                b = self.buckets[self._next[k]]
+                if stage.run is not None:
+                    stage.run((b.segment, b.lo, b.hi))
+                if stage.posts is not None:
+                    self.post(stage.posts, self._next[k])
+                self._next[k] += 1
+                moved = True
+            return moved
+        queue = self._inflight[k]
+        progressed = True
+        while progressed:  # one bucket on the wire at a time: the next starts when one completes
+            progressed = False
+            while queue and queue[0].test():
+                queue.popleft()
+                if stage.posts is not None:
+                    self.post(stage.posts, self._next[k])
+                self._next[k] += 1
+                moved = progressed = True
+            if not queue and self._issued[k] < limit and self._ready(stage, self._issued[k]):
+                b = self.buckets[self._issued[k]]
+                queue.append(stage.start((b.segment, b.lo, b.hi)))
+                self._issued[k] += 1
+                moved = progressed = True
+        return moved
+
     def advance(self, block: bool) -> None:
         """Run every stage the board allows, in bucket order; with ``block``, until all are done."""
         n, spins, waiting_since = len(self.buckets), 0, None
         while self._next[-1] < n:
             moved = False
             for k, stage in enumerate(self.stages):
-                limit = n if k == 0 else self._next[k - 1]
-                while self._next[k] < limit and self._ready(stage, self._next[k]):
-                    b = self.buckets[self._next[k]]
-                    if stage.run is not None:
-                        stage.run((b.segment, b.lo, b.hi))
-                    if stage.posts is not None:
-                        self.post(stage.posts, self._next[k])
-                    self._next[k] += 1
-                    moved = True
+                moved |= self._step(k, stage, n if k == 0 else self._next[k - 1])
             if moved and waiting_since is not None:  # the wait counts as intra-node time
                 self.averager.report("intra", waiting_since, time.perf_counter())
                 waiting_since = None
             if not moved:
                 if not block:
                     return
+                oldest = next((q[0] for q in self._inflight if q), None)
+                if oldest is not None:  # nothing else can move: wait for the network in MPI
+                    oldest.wait()
+                    continue
                 waiting_since = waiting_since or time.perf_counter()
                 # another local rank is still in backward: give it the core (ranks may share one)
                 os.sched_yield() if spins < 100 else time.sleep(50e-6)
@@ -220,7 +277,7 @@ class _Pipeline:
         self.advance(block=True)
         self.averager.timed("intra", self.averager.slots.fence)
         self.round += 1
-        self._next = [0] * len(self.stages)
+        self._reset()
 
     def close(self) -> None:
         if self.win is not None:
@@ -260,6 +317,20 @@ class BackwardOverlap:
         self._reset()
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(params)]
+        # While an inter-node allreduce is under way and backward computes between hooks, a
+        # thread enters MPI every POLL_S to move it (where MPI allows calls from any thread).
+        self._wake, self._closing, self._poller = threading.Event(), False, None
+        if MPI.Query_thread() == MPI.THREAD_MULTIPLE and averager.topology.num_nodes > 1:
+            self._poller = threading.Thread(target=self._poll, name="hsgd-overlap-poll", daemon=True)
+            self._poller.start()
+
+    def _poll(self) -> None:
+        while self._wake.wait() and not self._closing:
+            with self._lock:
+                self.pipeline.poll()
+                if not self.pipeline.busy:
+                    self._wake.clear()
+            time.sleep(POLL_S)
 
     def _reset(self) -> None:
         self.state = "idle"
@@ -283,16 +354,19 @@ class BackwardOverlap:
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
                 self._queued = True
             self._counts[i] += 1
-            if self._counts[i] != self.passes:
-                return
-            b = self._of[i]
-            self._missing[b] -= 1
-            if self._missing[b] == 0:
-                self._write(b)
-                # an inter-node allreduce may run (and wait) in here; on which rank's hook depends
-                # on timing, so the wait is watched but not counted as a synchronization
+            written = False
+            if self._counts[i] == self.passes:
+                b = self._of[i]
+                self._missing[b] -= 1
+                if self._missing[b] == 0:
+                    self._write(b)
+                    written = True
+            if written or self.pipeline.busy:  # a hook also drives the allreduces under way
+                # which rank's hook waits here depends on timing: watched, not counted
                 with self.waiting("backward() hook", count=False):
                     self.pipeline.advance(block=False)
+                if self.pipeline.busy:
+                    self._wake.set()
 
     def _end_of_backward(self) -> None:
         """Autograd's last act in a backward pass that reached a parameter: after the
@@ -348,4 +422,9 @@ class BackwardOverlap:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._poller is not None:
+            self._closing = True
+            self._wake.set()
+            self._poller.join()
+            self._poller = None
         self.pipeline.close()

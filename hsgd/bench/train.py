@@ -26,7 +26,10 @@ of gradients, inputs of 1000 features), ``--mlp-batch``.
 Across emulated hosts (``--hosts``, one job, the hosts are the nodes), the
 methods are those that cross the links: ``no comm``; ``hsgd`` with its
 defaults; ``hsgd leader`` and ``hsgd sharded``; ``hsgd fp16`` (the default
-strategy, ``compression="fp16"``); ``hsgd overlap``; ``DDP`` and ``DDP
+strategy, ``compression="fp16"``); ``hsgd overlap`` (default
+``bucket_cap_mb``, 25), ``hsgd overlap 4MB`` and ``hsgd overlap sharded 4MB``
+(``bucket_cap_mb=4``: on a link, smaller buckets start crossing earlier in
+backward); ``DDP`` and ``DDP
 bucket view`` (gloo over the hosts' ``eth0``); ``flat MPI``: one
 ``MPI_Allreduce`` of all gradients over every rank, then the step; and
 ``Horovod`` when it imports. Next to each time: the megabytes that crossed
@@ -83,8 +86,8 @@ DEFAULT_WORKLOADS = ("mlp", "cnn")
 DEEP_LAYERS, DEEP_WIDTH = 8, 1024  # 'deep': 8 hidden layers of 1024, 7.4M parameters in 18 tensors
 SYNC = ("no comm", "hsgd", "hsgd overlap", "hsgd leader 2n", "hsgd sharded 2n", "hsgd overlap sharded 2n",
         "DDP", "DDP bucket view", "Horovod")
-HOSTS = ("no comm", "hsgd", "hsgd leader", "hsgd sharded", "hsgd fp16", "hsgd overlap", "DDP", "DDP bucket view",
-         "flat MPI", "Horovod")  # across emulated hosts
+HOSTS = ("no comm", "hsgd", "hsgd leader", "hsgd sharded", "hsgd fp16", "hsgd overlap", "hsgd overlap 4MB",
+         "hsgd overlap sharded 4MB", "DDP", "DDP bucket view", "flat MPI", "Horovod")  # across emulated hosts
 MLP2M = (1000, 1000, 1000, 10)  # 'mlp2m': issue 23's MLP, 2.0M parameters
 LOCAL = ("hsgd local", "torch periodic", "hsgd local 2n", "torch hierarchical")
 MLP_HIDDEN = 2950  # 40*2950 + 2950*2950 + 2950*10 weights: 8.85M parameters with the biases
@@ -342,6 +345,10 @@ def _host_methods(workload, batches, comm, topology, skipped: list):
         o, m, topology=topology, compression="fp16"))
     made["hsgd overlap"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
         o, m, topology=topology, overlap=True))
+    made["hsgd overlap 4MB"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+        o, m, topology=topology, overlap=True, bucket_cap_mb=4))
+    made["hsgd overlap sharded 4MB"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+        o, m, topology=topology, overlap=True, bucket_cap_mb=4, inter_node="sharded"))
     for name, view in (("DDP", False), ("DDP bucket view", True)):
         made[name] = _Method(workload, batches, plain, model_wrap=lambda m, view=view: DistributedDataParallel(
             m, gradient_as_bucket_view=view))
