@@ -13,8 +13,9 @@ untimed). One *update* is what an asynchronous worker does per step, with a
 stand-in gradient (no model compute, so the figures measure the exchange
 itself):
 
-* ``PS``: rank 0 is a server: it ``Recv``s a gradient from any worker, applies
-  it (``W -= lr * g``) and ``Send``s the weights back; ranks 1.. are workers;
+* ``PS``: rank 0 is a server: it receives a gradient from any worker (a
+  receive posted per worker, ``Waitany``), applies it (``W -= lr * g``) and
+  ``Send``s the weights back; ranks 1.. are workers;
 * ``box``: the same workers, rank 0 only holds ``W_g`` in a
   :class:`hsgd.RemoteMemory` and runs no code; a worker's update is
   ``accumulate(-lr * g)`` then ``read(W_g)`` (what :class:`hsgd.AsyncSGD` does);
@@ -27,7 +28,12 @@ itself):
   ``HSGD_PROGRESS=0``). On one host it changes nothing.
 
 Reported: updates per second summed over workers (rank 0's own in ``all
-work``), median over ``--repeats``, and the ratios to PS.
+work``), median over ``--repeats``, and the ratios to PS. Across emulated
+hosts (``--hosts``) a second table gives, per method, the megabytes per
+second that crossed the busiest host's link (the larger of sent and
+received, its ``eth0`` counters), the fraction of the link's rate that is,
+and the wire limit: the updates per second at which that link would be full
+(:mod:`hsgd.bench._links`).
 """
 
 from __future__ import annotations
@@ -36,10 +42,13 @@ import time
 
 from ._harness import Result, Table, add_repeat_options, int_at_least, median, positive_float, repeat
 from ._launch import add_hosts_options, check_hosts_options, run_per_rank_count
+from ._links import LinkMeter, link_rates, on_hosts
 
 METHODS = ("PS", "box", "box, all work", "box, owner computes")
 COLUMNS = ("ranks", "floats", "PS", "box", "box, all work", "box, owner computes", "box/PS", "all work/PS",
            "owner computes/PS")
+HOST_COLUMNS = ("ranks", "floats", "method", "updates/s", "MB/s on the busiest link", "wire limit updates/s",
+                "of the wire limit", "method/PS")
 STOP = 2  # tag of a worker's last message to the server
 
 
@@ -69,23 +78,53 @@ def run(args, extra) -> Result:
                            f"{med['box, all work']:.0f}", f"{med['box, owner computes']:.0f}",
                            f"{med['box'] / med['PS']:.1f}x", f"{med['box, all work'] / med['PS']:.1f}x",
                            f"{med['box, owner computes'] / med['PS']:.1f}x"])
-    return Result([table], rows)
+    tables = [table]
+    if on_hosts(args):
+        tables.append(Table(HOST_COLUMNS, [line for row in rows for line in _host_rows(row, args)],
+                            title=f"across {args.hosts} emulated hosts, ranks "
+                            f"{'+'.join(map(str, args.host_ranks))}, links {args.link}: the busiest link",
+                            notes=["MB/s: the larger of sent and received on the busiest host's link (eth0's "
+                                   "counters) per second of a run; of the wire limit: that over the link's rate"]))
+    return Result(tables, rows)
+
+
+def _host_rows(row, args):
+    rates = link_rates(args)
+    if any(rate is None for rate in rates):
+        return
+    ps = median(row["rates"]["PS"])
+    for method in METHODS:
+        rate = median(row["rates"][method])
+        # per run: the busiest link's bytes per second as a fraction of its rate
+        use = median([max(max(sent, received) * 8 / link for (sent, received), link in zip(crossed, rates))
+                      / args.seconds for crossed in row["crossed"][method]])
+        busiest = median([max(max(sent, received) for sent, received in crossed) / args.seconds
+                          for crossed in row["crossed"][method]])
+        yield [row["ranks"], f"{row['floats'] / 1e6:g}M", method, f"{rate:.0f}", f"{busiest / 1e6:.1f}",
+               f"{rate / use:.0f}" if use > 0 else "-", f"{use:.0%}", f"{rate / ps:.2f}x"]
 
 
 def _ps(comm, n, seconds):
+    """The server keeps a receive posted from every worker and serves whichever completes
+    (``Waitany``). (A ``Recv`` from ``MPI.ANY_SOURCE`` hung across three hosts under MPICH with
+    UCX over TCP for messages up to 400 KB; Open MPI, and MPICH's OFI netmod, ran it.)"""
     import numpy as np
     from mpi4py import MPI
     rank, size = comm.Get_rank(), comm.Get_size()
     comm.Barrier()  # the server is ready before the first Send
     if rank == 0:
-        weights, grad, status, stopped = np.zeros(n, np.float32), np.empty(n, np.float32), MPI.Status(), 0
-        while stopped < size - 1:
-            comm.Recv(grad, MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+        weights, status = np.zeros(n, np.float32), MPI.Status()
+        grads = [np.empty(n, np.float32) for _ in range(size - 1)]
+        requests = [comm.Irecv(grads[i], i + 1, MPI.ANY_TAG) for i in range(size - 1)]
+        serving = size - 1
+        while serving:
+            i = MPI.Request.Waitany(requests, status)
             if status.Get_tag() == STOP:
-                stopped += 1
+                serving, requests[i] = serving - 1, MPI.REQUEST_NULL
                 continue
-            weights -= 0.01 * grad
-            comm.Send(weights, status.Get_source(), 1)
+            weights -= 0.01 * grads[i]
+            comm.Send(weights, i + 1, 1)
+            requests[i] = comm.Irecv(grads[i], i + 1, MPI.ANY_TAG)
         updates = 0
     else:
         grad, weights, updates = np.ones(n, np.float32), np.empty(n, np.float32), 0
@@ -124,21 +163,31 @@ def _box(comm, n, seconds, owner="waits"):
 
 
 def worker(args):
-    """Under mpiexec: per size, rounds of the methods; rank 0 returns every round's rate."""
+    """Under mpiexec: per size, rounds of the methods; rank 0 returns every round's rate (and,
+    across emulated hosts, what crossed each host's link in each run)."""
     import torch
     from mpi4py import MPI
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
+    meter = LinkMeter(comm) if on_hosts(args) else None
     rows = []
     for size in args.sizes:
         n = int(size)
+        runs = {"PS": lambda n=n: _ps(comm, n, args.seconds),
+                "box": lambda n=n: _box(comm, n, args.seconds, "waits"),
+                "box, all work": lambda n=n: _box(comm, n, args.seconds, "works"),
+                "box, owner computes": lambda n=n: _box(comm, n, args.seconds, "computes")}
 
-        def one_round(n=n):
-            return {"PS": _ps(comm, n, args.seconds),
-                    "box": _box(comm, n, args.seconds, "waits"),
-                    "box, all work": _box(comm, n, args.seconds, "works"),
-                    "box, owner computes": _box(comm, n, args.seconds, "computes")}
+        def one_round(runs=runs):
+            got = {}
+            for method in METHODS:
+                if meter is not None:
+                    meter.start()
+                got[method] = (runs[method](), meter.stop() if meter is not None else None)
+            return got
         rounds = repeat(one_round, args.repeats, args.warmup)
-        rows.append({"ranks": comm.Get_size(), "floats": n,
-                     "rates": {m: [r[m] for r in rounds] for m in METHODS}})
+        row = {"ranks": comm.Get_size(), "floats": n, "rates": {m: [r[m][0] for r in rounds] for m in METHODS}}
+        if meter is not None:
+            row["crossed"] = {m: [r[m][1] for r in rounds] for m in METHODS}
+        rows.append(row)
     return rows

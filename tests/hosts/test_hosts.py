@@ -142,6 +142,8 @@ def test_the_command_runs_a_job_and_reports_the_links(emulated_hosts):
     ("train", ["--workloads", "cnn", "--steps", "1", "--repeats", "1", "--warmup", "0"],
      "| method | ms per step | samples/s | MB per step on the busiest link | wire limit ms | of the wire limit "
      "| samples/s / DDP's |"),
+    ("allreduce", ["--sizes", "1e4", "--repeats", "1", "--warmup", "0"],
+     "| ranks | floats | method | ms | MB on the busiest link | wire limit ms | of the wire limit | MPI/method |"),
     ("box", ["--sizes", "1e3", "--repeats", "1", "--seconds", "0.1"],
      "| ranks | floats | PS | box | box, all work | box, owner computes | box/PS | all work/PS "
      "| owner computes/PS |"),
