@@ -219,7 +219,8 @@ class _Pipeline:
 
     def _step(self, k: int, stage: _Stage, limit: int) -> bool:
         """Move stage ``k`` as far as the board allows (buckets below ``limit``); whether it moved.
-        A background stage starts every bucket it may and finishes those done, in order."""
+        A background stage finishes its bucket on the wire once done and starts the next
+        one the board allows: one at a time, in bucket order."""
         moved = False
         if stage.start is None:
             while self._next[k] < limit and self._ready(stage, self._next[k]):
