@@ -68,9 +68,9 @@ class HalfCodec:
         if self._wire is None or self._wire.numel() < n:
             self._wire = torch.empty(n, dtype=self.dtype)
         wire = self._wire[:n]
-        wire.copy_(tensor.view(-1).mul(1.0 / parties))  # the mean of the node sums: in range
+        finish = self._to_wire(tensor, wire, parties)
         comm.Allreduce(MPI.IN_PLACE, [wire.view(torch.int16).numpy(), MPI.INT16_T], op=self._op)
-        tensor.view(-1).copy_(wire).mul_(parties)
+        finish()
         return allreduce_bytes(n * wire.element_size(), parties)
 
     def start_allreduce(self, comm, tensor: torch.Tensor):
@@ -80,12 +80,20 @@ class HalfCodec:
         from mpi4py import MPI
 
         parties = comm.Get_size()
-        wire = tensor.view(-1).mul(1.0 / parties).to(self.dtype)
+        wire = torch.empty(tensor.numel(), dtype=self.dtype)
+        finish = self._to_wire(tensor, wire, parties)
         request = comm.Iallreduce(MPI.IN_PLACE, [wire.view(torch.int16).numpy(), MPI.INT16_T], op=self._op)
+        return request, finish
+
+    @staticmethod
+    def _to_wire(tensor: torch.Tensor, wire: torch.Tensor, parties: int):
+        """``wire`` := the mean of the node sums in ``tensor`` (in range for 16 bits); returns the
+        function that, once ``wire`` holds the sums of those means, puts the sums into ``tensor``."""
+        wire.copy_(tensor.view(-1).mul(1.0 / parties))
 
         def finish() -> None:
             tensor.view(-1).copy_(wire).mul_(parties)
-        return request, finish
+        return finish
 
     def close(self) -> None:
         if self._op is not None:

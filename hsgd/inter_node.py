@@ -112,34 +112,36 @@ class _Strategy:
     def compression(self) -> str:
         return "none" if self.codec is None else self.codec.name
 
+    @staticmethod
+    def _chunks(tensor: torch.Tensor):
+        """``tensor`` in consecutive views of at most ``CHUNK_BYTES``."""
+        step = max(1, CHUNK_BYTES // max(1, tensor.element_size()))
+        return [tensor[lo:lo + step] for lo in range(0, tensor.numel(), step)]
+
+    def _sent(self, part: torch.Tensor) -> int:
+        """The bytes this rank sends to sum ``part`` (16-bit values through a codec)."""
+        itemsize = part.element_size() if self.codec is None else self.codec.itemsize
+        return allreduce_bytes(part.numel() * itemsize, self.comm.Get_size())
+
     def _allreduce(self, tensor: torch.Tensor) -> int:
         """Sum ``tensor`` over ``comm`` in place, in chunks of at most ``CHUNK_BYTES``; returns
         the bytes this rank sent."""
-        sent, step = 0, max(1, CHUNK_BYTES // max(1, tensor.element_size()))
-        for lo in range(0, tensor.numel(), step):
-            part = tensor[lo:lo + step]
+        sent = 0
+        for part in self._chunks(tensor):
             if self.codec is not None:
                 sent += self.codec.allreduce_(self.comm, part)
                 continue
             self.comm.Allreduce(MPI.IN_PLACE, part.numpy(), op=MPI.SUM)
-            sent += allreduce_bytes(part.numel() * part.element_size(), self.comm.Get_size())
+            sent += self._sent(part)
         return sent
 
     def start_allreduce(self, tensor: torch.Tensor) -> Pending:
         """:meth:`_allreduce` without waiting: one ``Iallreduce`` per chunk, one after another,
         in the same order on every rank of ``comm``; ``tensor`` holds the sums once the returned
         :class:`Pending` is done."""
-        chunks, sent = [], 0
-        step = max(1, CHUNK_BYTES // max(1, tensor.element_size()))
-        for lo in range(0, tensor.numel(), step):
-            part = tensor[lo:lo + step]
-            if self.codec is not None:
-                chunks.append(functools.partial(self.codec.start_allreduce, self.comm, part))
-                sent += allreduce_bytes(part.numel() * self.codec.itemsize, self.comm.Get_size())
-            else:
-                chunks.append(functools.partial(self._start_exact, part))
-                sent += allreduce_bytes(part.numel() * part.element_size(), self.comm.Get_size())
-        return Pending(chunks, sent)
+        parts = self._chunks(tensor)
+        start = self._start_exact if self.codec is None else functools.partial(self.codec.start_allreduce, self.comm)
+        return Pending([functools.partial(start, part) for part in parts], sum(map(self._sent, parts)))
 
     def _start_exact(self, part: torch.Tensor):
         return self.comm.Iallreduce(MPI.IN_PLACE, part.numpy(), op=MPI.SUM), None
