@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -68,22 +69,32 @@ class HalfCodec:
         if self._wire is None or self._wire.numel() < n:
             self._wire = torch.empty(n, dtype=self.dtype)
         wire = self._wire[:n]
+        from ._engine.sums import sum_
+
         finish = self._to_wire(tensor, wire, parties)
-        comm.Allreduce(MPI.IN_PLACE, [wire.view(torch.int16).numpy(), MPI.INT16_T], op=self._op)
+        sum_(comm, wire.view(torch.int16).numpy(), self._op, MPI.INT16_T)
         finish()
         return allreduce_bytes(n * wire.element_size(), parties)
 
-    def start_allreduce(self, comm, tensor: torch.Tensor):
-        """:meth:`allreduce_` without waiting, on a wire buffer of its own: returns (the
-        ``Iallreduce`` request, a function that casts the sums back into ``tensor`` once it
-        completed)."""
+    def start_allreduce(self, comm, tensor: torch.Tensor) -> list:
+        """:meth:`allreduce_` without waiting, on a wire buffer of its own: the steps of
+        :func:`hsgd._engine.sums.start_sum`, each ``() -> (request, finish or None)`` to start
+        once the one before it completed; the first also fills the wire buffer, the last's
+        ``finish`` casts the sums back into ``tensor``."""
         from mpi4py import MPI
+
+        from ._engine.sums import start_sum
 
         parties = comm.Get_size()
         wire = torch.empty(tensor.numel(), dtype=self.dtype)
-        finish = self._to_wire(tensor, wire, parties)
-        request = comm.Iallreduce(MPI.IN_PLACE, [wire.view(torch.int16).numpy(), MPI.INT16_T], op=self._op)
-        return request, finish
+        sums = start_sum(comm, wire.view(torch.int16).numpy(), self._op, MPI.INT16_T)
+        finish = []
+
+        def step(i: int):
+            if i == 0:
+                finish.append(self._to_wire(tensor, wire, parties))
+            return sums[i](), finish[0] if i == len(sums) - 1 else None
+        return [functools.partial(step, i) for i in range(len(sums))]
 
     @staticmethod
     def _to_wire(tensor: torch.Tensor, wire: torch.Tensor, parties: int):

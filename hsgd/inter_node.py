@@ -16,8 +16,10 @@ staging copy):
   warning otherwise.
 
 Both sum; the caller scales by ``1 / world_size``, so unequal nodes still
-give the exact global mean. A buffer crosses in allreduces of at most
-``CHUNK_BYTES`` (4 MiB): across two hosts at 1 Gbit/s with two ranks each,
+give the exact global mean. A buffer crosses in sums of at most
+``CHUNK_BYTES`` (4 MiB), each an ``MPI_Allreduce`` or, for a node count that is
+not a power of two, a reduce-scatter then an allgather (:mod:`hsgd._engine.sums`:
+MPICH's allreduce took 2.5x the wire limit across 3 hosts): across two hosts at 1 Gbit/s with two ranks each,
 one 8 MB ``MPI_Allreduce`` between the leaders took 80.6 ms and two of 4 MB
 66.8 ms (the wire limit is 64 ms); with one rank per host both took 67 ms. With ``compression`` (``"fp16"``, ``"bf16"``,
 :mod:`hsgd.compression`) the sums cross nodes in 16 bits.
@@ -38,9 +40,9 @@ import warnings
 from typing import Optional
 
 import torch
-from mpi4py import MPI
 
 from ._engine.checks import check_choice
+from ._engine.sums import start_sum, sum_
 from ._engine.traffic import allreduce_bytes
 from .compression import make_codec
 from .errors import InputValueError
@@ -54,10 +56,11 @@ CHUNK_BYTES = 4 << 20  # the largest single inter-node allreduce
 
 
 class Pending:
-    """Sums under way (:meth:`_Strategy.start_allreduce`), one chunk after another: ``test()``
+    """Sums under way (:meth:`_Strategy.start_allreduce`), one step after another: ``test()``
     moves them on and says whether all are done, ``wait()`` blocks until they are; ``sent``:
-    the bytes this rank sends. Each chunk is a ``fn() -> (request, finish or None)``, started
-    when the one before it completed: on a link the chunks share the wire anyway, and one at a
+    the bytes this rank sends. Each step is a ``fn() -> (request, finish or None)``, started
+    when the one before it completed (a chunk's sum is one or two steps,
+    :mod:`hsgd._engine.sums`): on a link the chunks share the wire anyway, and one at a
     time each crosses at the link rate, the first done soonest."""
 
     def __init__(self, chunks, sent: int):
@@ -99,6 +102,10 @@ class Pending:
             self._finished()
 
 
+def _no_finish(start):
+    return start(), None
+
+
 class _Strategy:
     """Sums over ``self.comm`` in place, exactly or through a 16-bit codec."""
 
@@ -131,20 +138,22 @@ class _Strategy:
             if self.codec is not None:
                 sent += self.codec.allreduce_(self.comm, part)
                 continue
-            self.comm.Allreduce(MPI.IN_PLACE, part.numpy(), op=MPI.SUM)
+            sum_(self.comm, part.numpy())
             sent += self._sent(part)
         return sent
 
     def start_allreduce(self, tensor: torch.Tensor) -> Pending:
-        """:meth:`_allreduce` without waiting: one ``Iallreduce`` per chunk, one after another,
-        in the same order on every rank of ``comm``; ``tensor`` holds the sums once the returned
-        :class:`Pending` is done."""
-        parts = self._chunks(tensor)
-        start = self._start_exact if self.codec is None else functools.partial(self.codec.start_allreduce, self.comm)
-        return Pending([functools.partial(start, part) for part in parts], sum(map(self._sent, parts)))
-
-    def _start_exact(self, part: torch.Tensor):
-        return self.comm.Iallreduce(MPI.IN_PLACE, part.numpy(), op=MPI.SUM), None
+        """:meth:`_allreduce` without waiting: each chunk's non-blocking sum (``Iallreduce``, or
+        ``Ireduce_scatter`` then ``Iallgatherv``), one step after another, in the same order on
+        every rank of ``comm``; ``tensor`` holds the sums once the returned :class:`Pending` is
+        done."""
+        parts, steps = self._chunks(tensor), []
+        for part in parts:
+            if self.codec is not None:
+                steps += self.codec.start_allreduce(self.comm, part)
+            else:
+                steps += [functools.partial(_no_finish, step) for step in start_sum(self.comm, part.numpy())]
+        return Pending(steps, sum(map(self._sent, parts)))
 
     def close(self) -> None:
         if self.codec is not None:
