@@ -54,6 +54,9 @@ class TrainConfig:
                                          "test samples (10000 for 40000)")
     # --- model and optimizer ---
     model: str = _opt("cnn", "mlp | cnn (1-D signals) | resnet (images)", choices=list(MODELS))
+    width: Optional[int] = _opt(None, "the model's width: hidden units of mlp (100), channels of cnn (25), "
+                                      "channels of resnet's first stage (16; then 2x and 4x); a wider model "
+                                      "has more parameters to average per step")
     optimizer: str = _opt("adamw", "sgd | lars | adamw", choices=["sgd", "lars", "adamw"])
     lr: float = _opt(0.01, "peak learning rate (before --scale-lr)")
     momentum: float = _opt(0.9, "momentum (sgd, lars)")
@@ -171,6 +174,8 @@ class TrainConfig:
         problem = self._milestones_problem() if self.schedule == "step" else None
         if problem:
             return problem
+        if self.width is not None and self.width <= 0:
+            return f"--width must be positive (the mlp's default is 100), got {self.width}"
         if self.ranks_per_node is not None and self.ranks_per_node <= 0:
             return f"--ranks-per-node must be positive, got {self.ranks_per_node}"
         if self.resume == "latest" and not (self.checkpoint_dir or self.run_dir):

@@ -1,12 +1,12 @@
 """The trainer's models, built from the data's sample shape and class count.
 
 * ``mlp``: the MNIST-1D paper's MLP (Greydanus 2020): flatten, two hidden
-  layers of 100 ReLU units.
+  layers of 100 ReLU units (``width``).
 * ``cnn``: the MNIST-1D paper's CNN for 1-D signals: three ``Conv1d`` layers
-  of 25 channels (kernel 5 then 3 and 3, stride 2, padding 1, ReLU) and a
+  of 25 channels (``width``; kernel 5 then 3 and 3, stride 2, padding 1, ReLU) and a
   linear read-out. Samples are ``(L,)`` (one channel) or ``(C, L)``.
 * ``resnet``: a small ResNet for images (He et al. 2016, the CIFAR variant
-  with three stages of 16/32/64 channels and one basic block per stage).
+  with three stages of 16/32/64 channels (``width`` 16) and one basic block per stage).
   Samples are ``(C, H, W)`` or ``(H, W, C)`` (channels-last is detected when
   the last dimension is 1, 3 or 4 and the first is not).
 
@@ -17,16 +17,18 @@ Example::
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from ..errors import InputValueError
 
-__all__ = ["build_model", "MODELS"]
+__all__ = ["build_model", "MODELS", "WIDTHS"]
 
 MODELS = ("mlp", "cnn", "resnet")
+#: Each model's default width (``--width``): hidden units, channels, first-stage channels.
+WIDTHS = {"mlp": 100, "cnn": 25, "resnet": 16}
 
 
 class MLP(nn.Module):
@@ -95,8 +97,11 @@ def _is_channels_last(shape: Sequence[int]) -> bool:
     return shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)
 
 
-def build_model(name: str, sample_shape: Sequence[int], num_classes: int) -> nn.Module:
-    """Build model ``name`` for samples of ``sample_shape`` and ``num_classes`` classes.
+def build_model(name: str, sample_shape: Sequence[int], num_classes: int,
+                width: Optional[int] = None) -> nn.Module:
+    """Build model ``name`` for samples of ``sample_shape`` and ``num_classes`` classes;
+    ``width``: the mlp's hidden units, the cnn's channels or the resnet's first-stage channels
+    (``None``: the defaults of :data:`WIDTHS`).
 
     Raises ``ValueError`` naming the model and the shapes it accepts when the
     data does not fit it.
@@ -104,17 +109,21 @@ def build_model(name: str, sample_shape: Sequence[int], num_classes: int) -> nn.
     shape = tuple(int(s) for s in sample_shape)
     if name not in MODELS:
         raise InputValueError(f"Unknown model {name!r}; choose one of {list(MODELS)}")
+    if width is not None and width < 1:
+        raise InputValueError(f"the model's width must be positive, got {width}")
+    width = WIDTHS[name] if width is None else int(width)
     if num_classes < 2:
         raise InputValueError(f"the labels have {num_classes} class(es); a classifier needs at least 2")
     if name == "mlp":
-        return MLP(int(torch.Size(shape).numel()), num_classes)
+        return MLP(int(torch.Size(shape).numel()), num_classes, hidden=width)
     if name == "cnn":
         if len(shape) not in (1, 2) or shape[-1] < 8:
             raise InputValueError(f"model 'cnn' takes 1-D signals of shape (L,) or (C, L) with L >= 8; "
                                   f"the data has samples of shape {shape}. Use --model mlp or resnet")
-        return ConvNet1d(shape, num_classes)
+        return ConvNet1d(shape, num_classes, channels=width)
     if len(shape) != 3:
         raise InputValueError(f"model 'resnet' takes images of shape (C, H, W) or (H, W, C); the data "
                               f"has samples of shape {shape}. Use --model cnn for 1-D signals")
     channels_last = _is_channels_last(shape)
-    return ResNet(shape[-1] if channels_last else shape[0], num_classes, channels_last)
+    return ResNet(shape[-1] if channels_last else shape[0], num_classes, channels_last,
+                  widths=(width, 2 * width, 4 * width))

@@ -117,7 +117,7 @@ def build(cfg, topo, device):
                               batch_size=test_batch_size(test_path, cfg.test_y_key, comm))
     classes = num_classes(train_path, cfg.y_key, comm)
     torch.manual_seed(cfg.seed)
-    model = check_all(comm, build_model, cfg.model, train.sample_shape, classes).to(device)
+    model = check_all(comm, build_model, cfg.model, train.sample_shape, classes, cfg.width).to(device)
     inner = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, inner, len(train))
     opt = SYNC_MODES[cfg.sync].from_config(inner, model, topo, cfg)

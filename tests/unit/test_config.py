@@ -32,6 +32,7 @@ from hsgd.train import parse_config
     (["--straggler", "1:nan"], "--straggler"),
     (["--overlap", "--bucket-cap-mb", "0"], "--bucket-cap-mb"),
     (["--bucket-cap-mb", "nan"], "--bucket-cap-mb"),
+    (["--width", "0"], "--width"),
 ])
 def test_bad_flags_are_named(argv, flag):
     problem = parse_config(argv).validate()
@@ -47,6 +48,7 @@ def test_bad_flags_are_named(argv, flag):
     ["--straggler", "3:3"],
     ["--straggler", "0:1"],
     ["--sync", "gossip", "--gossip-theta", "inf", "--gossip-graph", "ring"],
+    ["--model", "mlp", "--width", "1000"],
 ])
 def test_good_flags_pass(argv):
     assert parse_config(argv).validate() is None
@@ -78,3 +80,22 @@ def test_amp_fp16_with_overlap_is_refused_where_overlap_applies():
     assert problem is not None and "--overlap" in problem and "--amp bf16" in problem, problem
     for argv in (["--overlap", "--amp", "bf16"], ["--amp", "fp16"], ["--sync", "local", "--overlap", "--amp", "fp16"]):
         assert parse_config(argv).validate() is None, argv  # bf16 has no GradScaler; local ignores --overlap
+
+
+@pytest.mark.parametrize("name,shape,width,params", [
+    ("mlp", (40,), None, 40 * 100 + 100 + 100 * 100 + 100 + 100 * 10 + 10),
+    ("mlp", (40,), 1000, 40 * 1000 + 1000 + 1000 * 1000 + 1000 + 1000 * 10 + 10),
+    ("cnn", (40,), 8, 8 * 5 + 8 + 2 * (8 * 8 * 3 + 8) + 8 * 5 * 10 + 10),
+])
+def test_width_sets_the_models_size(name, shape, width, params):
+    from hsgd._trainer.models import build_model
+
+    model = build_model(name, shape, 10, width)
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_resnet_width_scales_its_stages():
+    from hsgd._trainer.models import build_model
+
+    model = build_model("resnet", (3, 8, 8), 10, width=4)
+    assert [b.conv2.out_channels for b in model.blocks] == [4, 8, 16]
