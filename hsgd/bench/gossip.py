@@ -4,6 +4,8 @@ One command::
 
     python -m hsgd.bench gossip                       # 4 ranks, 30 epochs
     python -m hsgd.bench gossip --thetas 0.01 0.03 --epochs 10
+    python -m hsgd.bench gossip --hosts 2 --ranks-per-host 2 --link 100mbit,1gbit --sync-balance \
+        --epochs 3 --model mlp --width 1000        # as root: across emulated hosts, a wide MLP
 
 Every run is ``mpiexec -n RANKS python -m hsgd.train`` on the default
 MNIST-1D run (the CNN, AdamW, every other option at its default), one at a
@@ -13,9 +15,17 @@ data set): ``--sync sync``, then ``--sync gossip`` with ``--gossip-theta 0``
 sent inside and across nodes over the whole run (the epoch records'
 ``intra_bytes``/``inter_bytes``; for gossip headers included), the traffic
 relative to every-step gossip, the wall time (start-up included) and the
-final and best test accuracy. Options this command does not know go to
-``hsgd.train``: ``--ranks-per-node 2`` makes two virtual nodes, so that some
-gossip goes "across nodes".
+final and best test accuracy, and the training time (the epoch records'
+``seconds`` summed: training and evaluation, no start-up) relative to
+every-step gossip. ``--sync-balance`` adds a ``--sync sync --balance`` run.
+Options this command does not know go to ``hsgd.train``: ``--ranks-per-node
+2`` makes two virtual nodes, so that some gossip goes "across nodes";
+``--model mlp --width 1000`` (1.05M parameters) makes the runs
+communication-bound across hosts.
+
+Across emulated hosts (``--hosts``, ``--link``, ``--ranks-per-host``; root
+only) every run is one job across them, the hosts are the nodes and the
+inter-node bytes cross the shaped links, TCP forced.
 """
 
 from __future__ import annotations
@@ -23,11 +33,12 @@ from __future__ import annotations
 import tempfile
 
 from ._harness import Progress, Result, Table, int_at_least
+from ._launch import add_hosts_options, check_hosts_options, placement
 from ._training import Runs
 
 PASSES_ON = True  # options this module does not know go to python -m hsgd.train
-COLUMNS = ("run", "intra MB", "inter MB", "traffic vs every-step gossip", "wall s", "final test acc",
-           "best test acc")
+COLUMNS = ("run", "intra MB", "inter MB", "traffic vs every-step gossip", "wall s", "train s",
+           "train time vs every-step gossip", "final test acc", "best test acc")
 
 
 def add_arguments(p) -> None:
@@ -39,27 +50,50 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int_at_least(0), default=1,
                    help="untimed one-epoch runs first; the first generates the data set (1)")
     p.add_argument("--cache-dir", default=None, help="where MNIST-1D is generated (default: a temp dir)")
+    p.add_argument("--sync-balance", action="store_true",
+                   help="also a --sync sync --balance run (load balancing against gossip)")
+    add_hosts_options(p)
+
+
+def check(args, extra, parser) -> None:
+    check_hosts_options(args, parser)
+    if args.hosts and sum(args.host_ranks) < 2:
+        parser.error("argument --ranks-per-host: 2 ranks or more in all (gossip needs peers)")
+    if "--balance" in extra:
+        parser.error("--balance would go to every run, gossip included, which cannot balance: "
+                     "use --sync-balance for a --sync sync --balance run")
 
 
 def run(args, extra) -> Result:
     runs = []
-    with tempfile.TemporaryDirectory() as tmp, \
-            Progress(args.warmup + 2 + len(args.thetas), "hsgd.bench gossip", args.progress) as progress:
-        train = Runs(args.ranks, tmp, args.cache_dir, extra, args.warmup, progress)
-        runs.append(("sync", *train("--epochs", str(args.epochs), "--sync", "sync")))
+    count = args.warmup + 2 + len(args.thetas) + args.sync_balance
+    with tempfile.TemporaryDirectory() as tmp, placement(args) as where, \
+            Progress(count, "hsgd.bench gossip", args.progress) as progress:
+        ranks = args.ranks if where is None else where.ranks
+        train = Runs(ranks, tmp, args.cache_dir, extra, args.warmup, progress, where=where)
+        epochs = ["--epochs", str(args.epochs)]
+        runs.append(("sync", *train(*epochs, "--sync", "sync")))
+        if args.sync_balance:
+            runs.append(("sync --balance", *train(*epochs, "--sync", "sync", "--balance")))
         for theta in [0.0, *args.thetas]:
-            epochs, seconds = train("--epochs", str(args.epochs), "--sync", "gossip", "--gossip-graph",
-                                    args.graph, "--gossip-theta", str(theta))
-            runs.append((f"gossip theta={theta:g}", epochs, seconds))
-    every_step = sum(e["intra_bytes"] + e["inter_bytes"] for e in runs[1][1])
-    table = Table(COLUMNS, title=f"{args.ranks} ranks, {args.epochs} epochs, MNIST-1D default run, graph "
-                  f"{args.graph} {' '.join(extra)}")
+            records, seconds = train(*epochs, "--sync", "gossip", "--gossip-graph", args.graph,
+                                     "--gossip-theta", str(theta))
+            runs.append((f"gossip theta={theta:g}", records, seconds))
+        where = f"{ranks} ranks" if where is None else where.describe()
+    reference = next(epochs for name, epochs, _ in runs if name == "gossip theta=0")
+    every_step = sum(e["intra_bytes"] + e["inter_bytes"] for e in reference)
+    every_step_s = sum(e["seconds"] for e in reference)
+    table = Table(COLUMNS, title=f"{where}, {args.epochs} epochs, MNIST-1D, graph {args.graph} {' '.join(extra)}")
+    table.notes = ["train s: the epoch records' seconds summed (training and evaluation); wall s: the whole "
+                   "job, start-up included"]
     raw = []
     for name, epochs, seconds in runs:
         intra, inter = (sum(e[k] for e in epochs) for k in ("intra_bytes", "inter_bytes"))
         final, best = epochs[-1]["test_acc"], max(e["test_acc"] for e in epochs)
+        train_s = sum(e["seconds"] for e in epochs)
         table.rows.append([name, f"{intra / 1e6:.1f}", f"{inter / 1e6:.1f}", f"{(intra + inter) / every_step:.3f}",
-                           f"{seconds:.0f}", f"{100 * final:.2f}%", f"{100 * best:.2f}%"])
+                           f"{seconds:.0f}", f"{train_s:.1f}", f"{train_s / every_step_s:.2f}",
+                           f"{100 * final:.2f}%", f"{100 * best:.2f}%"])
         raw.append({"run": name, "intra_bytes": intra, "inter_bytes": inter, "seconds": seconds,
-                    "final_test_acc": final, "best_test_acc": best, "epochs": epochs})
+                    "train_seconds": train_s, "final_test_acc": final, "best_test_acc": best, "epochs": epochs})
     return Result([table], raw)

@@ -44,8 +44,8 @@ SMOKE = {
               lambda raw: [[r["seconds"] for r in raw["accuracy"]]], 1),
     "gossip": (["--ranks", "2", "--epochs", "1", "--thetas", "--warmup", "0", "--cache-dir", "{cache}",
                 *TRAIN],
-               "| run | intra MB | inter MB | traffic vs every-step gossip | wall s | final test acc "
-               "| best test acc |",
+               "| run | intra MB | inter MB | traffic vs every-step gossip | wall s | train s "
+               "| train time vs every-step gossip | final test acc | best test acc |",
                lambda raw: [[r["seconds"]] for r in raw], 1),
     "lars": (["--ranks", "2", "--epochs", "2", "--samples", "2000", "--runs", "sgd-256", "--cache-dir", "{cache}"],
              "| run | epochs | steps | final test acc | best test acc | final train loss | wall s |",
@@ -138,6 +138,10 @@ def test_model_predicts_without_measuring_and_draws(tmp_path):
     (["stall", "--hosts", "2", "--link", "fast"], "argument --link: invalid link rate 'fast'"),
     (["box", "--hosts", "3", "--ranks-per-host", "1,2"], "argument --ranks-per-host: 2 values for 3 hosts"),
     (["box", "--hosts", "2", "--ranks-per-host", "1,0"], "the box needs 2 ranks or more"),
+    (["model", "--hosts", "2", "--ranks-per-host", "1,2"], "the model has the same ranks on every node"),
+    (["model", "--hosts", "1"], "the network is measured between hosts: use 2 or more"),
+    (["gossip", "--balance"], "use --sync-balance"),
+    (["gossip", "--hosts", "2", "--ranks-per-host", "1,0"], "2 ranks or more in all"),
     (["nosuch"], "argument SUBCOMMAND: invalid choice: 'nosuch'"),
 ])
 def test_a_bad_option_gives_one_error_and_exit_2(args, message):
