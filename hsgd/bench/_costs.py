@@ -38,10 +38,13 @@ while the on-node hops run beside it), ``alpha_m + b / B_m`` on one node::
                 s_j = min(2^j, k) ranks per node talk off-node in round j,
                 or alpha_m + rate * nbytes / B_m where no rank leaves the node
                 (the larger of the two when both happen)
-    box       = 2 (N c alpha + k nbytes / min(S, B))        # alpha_m, B_m on one node
+    box       = 2 (N c alpha + k (N-1)/N nbytes / min(S, B))  # alpha_m, B_m on one node
                 # AsyncSGD: accumulate, then read, the whole model; N owners (the
-                # leaders) each hold nbytes/N in c = ceil(nbytes / N / 4 MiB) chunks,
-                # and all p ranks move nbytes/N through each owner's NIC
+                # leaders) each hold nbytes/N in c = ceil(nbytes / N / 4 MiB) chunks;
+                # out of a NIC go its k ranks' accumulates into the N-1 other owners
+                # and its owner's answers to the (N-1) k other ranks' reads:
+                # 2 k (N-1)/N nbytes, and as much comes in (ranks on the owner's
+                # node reach it through shared memory)
 
 With ``S = B`` leader and sharded cost the same here: sharded pays off only
 where one rank cannot fill the NIC (``stream_bandwidth < bandwidth``).
@@ -183,7 +186,7 @@ def box(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> flo
     chunks = nodes * math.ceil(nbytes / nodes / BOX_CHUNK_BYTES)
     if nodes == 1:  # one owner, reached through MPI's shared-memory transport
         return 2 * (chunks * machine.local_alpha + k * nbytes / machine.local_rate)
-    return 2 * (chunks * machine.latency + k * nbytes / machine.stream(1))
+    return 2 * (chunks * machine.latency + k * (nodes - 1) / nodes * nbytes / machine.stream(1))
 
 
 #: name -> cost function ``(nbytes, nodes, ranks_per_node, machine) -> seconds``, in table order.

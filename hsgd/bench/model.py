@@ -6,6 +6,7 @@
     python -m hsgd.bench model --params 2.56e7 --nodes 64 256 --ranks-per-node 8 \\
         --latency 1.5e-6 --bandwidth 25e9 --png model.png
     python -m hsgd.bench model --validate             # predicted vs measured on this machine
+    python -m hsgd.bench model --validate --hosts 2 --ranks-per-host 2 --link 1gbit   # as root: across hosts
 
 For every model size (``--params`` elements of ``--dtype-bytes`` bytes) and
 every ``--nodes`` x ``--ranks-per-node``, the alpha-beta model of
@@ -33,6 +34,25 @@ error, and whether the bytes hsgd counted (:mod:`hsgd._engine.traffic`)
 are the model's. With 4 ranks on a 2-core machine the ranks share cores,
 which the model does not know.
 
+Across emulated hosts (``--hosts``, ``--link``, ``--ranks-per-host``, every
+host the same count; root only) the network is measured, not given: in one
+job across the hosts, every host's first rank sends ``--validate-sizes``'s
+calibration buffers (4 KiB and 16 MiB) to the next host's and receives from
+the previous one's at once (``Sendrecv``: one stream each way on every
+link), and ``t = alpha + bytes / B`` is fitted to the medians. That
+``alpha`` and ``B`` are the network of the grid table (``--latency`` and
+``--bandwidth`` then only say what the grid would be without measuring), and
+the table of parameters gives ``B`` as a fraction of the link's rate. With
+``--validate`` the same job then measures every strategy on N hosts x 1
+(one rank per host) and N hosts x k ranks, the hosts as the nodes: the flat
+ring (``MPI Allreduce``), ``leader``, ``sharded``, gossip (a
+:class:`hsgd.GossipSGD` step on the exponential graph, every round sending,
+the mean over ``--repeats`` steps as the model averages over the graph's
+rounds) and the box (every rank's ``accumulate`` then ``read`` of the whole
+model in a :class:`hsgd.RemoteMemory` sharded over the hosts' first ranks,
+all ranks at once, as :class:`hsgd.AsyncSGD` steps), each beside the model's
+prediction with that network.
+
 ``--png PATH`` draws predicted time against nodes, one panel per model size
 and ranks per node (matplotlib).
 """
@@ -43,15 +63,21 @@ import argparse
 import math
 from pathlib import Path
 
+import numpy as np
+
 from . import _costs
 from ._harness import Progress, Result, Table, add_repeat_options, int_at_least, median, positive_float
-from ._launch import run_workers
+from ._launch import add_hosts_options, check_hosts_options, placement, run_workers
+from ._links import link_rates, on_hosts
 
+#: The largest single inter-node sum (``hsgd.inter_node.CHUNK_BYTES``, which imports MPI).
+CHUNK_BYTES = 4 << 20
 #: Floats of the two calibration sizes: 4 KiB (latency) and 16 MiB (bandwidth) in float32.
 CALIBRATION_SIZES = (1024, 4 << 20)
 #: The configurations ``--validate`` measures, by the job's rank count: (nodes, ranks per node).
 VALIDATION = {2: ((1, 2), (2, 1)), 4: ((1, 4), (2, 2))}
 MEASURED = ("flat ring", "leader", "sharded")  # MPI Allreduce is the flat ring
+HOST_MEASURED = _costs.STRATEGIES  # across emulated hosts: every strategy
 STYLES = ("o-", "s-", "x--", "^-", "d-")  # one per strategy; sharded dashed over leader, often equal
 #: The node's parameters, measured here unless given (``--intra-latency`` ...).
 HERE = ("intra_latency", "intra_bandwidth", "local_latency", "local_bandwidth")
@@ -68,9 +94,11 @@ def add_arguments(p) -> None:
                    help="node counts (1 4 16 64 256 1024 4096)")
     p.add_argument("--ranks-per-node", type=int_at_least(1), nargs="+", default=[1, 8, 32, 128],
                    help="ranks per node (1 8 32 128)")
-    p.add_argument("--latency", type=positive_float, default=2e-6, help="network latency, s (2e-6)")
+    p.add_argument("--latency", type=positive_float, default=2e-6,
+                   help="network latency, s (2e-6; with --hosts: measured across them)")
     p.add_argument("--bandwidth", type=positive_float, default=12.5e9,
-                   help="network bandwidth per node and direction, bytes/s (12.5e9: 100 Gb/s)")
+                   help="network bandwidth per node and direction, bytes/s (12.5e9: 100 Gb/s; with --hosts: "
+                        "measured across them)")
     p.add_argument("--stream-bandwidth", type=positive_float, default=None,
                    help="bytes/s one rank can drive through the NIC (default: --bandwidth)")
     p.add_argument("--memory-bandwidth", type=positive_float, default=None,
@@ -86,11 +114,14 @@ def add_arguments(p) -> None:
     p.add_argument("--local-bandwidth", type=positive_float, default=None,
                    help="MPI bandwidth between two ranks of a node, bytes/s (default: measured here)")
     p.add_argument("--validate", action="store_true",
-                   help="also measure 1x2, 1x4, 2x1, 2x2 (nodes x ranks) here and compare with the model")
+                   help="also measure 1x2, 1x4, 2x1, 2x2 (nodes x ranks) here, or with --hosts N x 1 and N x k "
+                        "across the hosts, and compare with the model")
     p.add_argument("--validate-sizes", type=positive_float, nargs="+", default=[1e5, 2e6],
                    help="float32 elements of --validate's buffers, rounded up to a multiple of 64 (1e5 2e6)")
     p.add_argument("--png", type=Path, default=None, metavar="PATH", help="also draw the predictions here")
     add_repeat_options(p, repeats=10, warmup=2, what="averages of each measurement")
+    add_hosts_options(p)
+    p.add_argument("--job", dest="_job", choices=["here", "hosts"], default="here", help=argparse.SUPPRESS)
 
 
 def _fraction(text: str) -> float:
@@ -111,6 +142,13 @@ def _non_negative(text: str) -> float:
 
 
 def check(args, extra, parser) -> None:
+    check_hosts_options(args, parser)
+    if args.hosts:
+        if args.hosts < 2:
+            parser.error("argument --hosts: the network is measured between hosts: use 2 or more")
+        if len(set(args.host_ranks)) != 1:
+            parser.error(f"argument --ranks-per-host: the model has the same ranks on every node; got "
+                         f"{args.ranks_per_host}: give one count")
     if args.png is None:
         return
     if not args.png.parent.is_dir():
@@ -122,28 +160,42 @@ def check(args, extra, parser) -> None:
 
 
 def run(args, extra) -> Result:
-    measure = args.validate or None in (args.intra_latency, args.intra_bandwidth, args.local_latency,
-                                        args.local_bandwidth)
-    jobs = [2, 4] if args.validate else [2] if measure else []
-    measured = {}
-    with Progress(len(jobs) + 1 + (args.png is not None), "hsgd.bench model", args.progress) as progress:
-        for ranks in jobs:
+    hosts = on_hosts(args)
+    measure = hosts or args.validate or None in (args.intra_latency, args.intra_bandwidth, args.local_latency,
+                                                 args.local_bandwidth)
+    jobs = [2, 4] if args.validate and not hosts else [2] if measure else []
+    measured, network = {}, None
+    steps = len(jobs) + hosts + 1 + (args.png is not None)
+    with Progress(steps, "hsgd.bench model", args.progress) as progress:
+        for ranks in jobs:  # on this host: the node's parameters (and --validate's configurations)
             measured[ranks] = run_workers("model", ranks, args._argv, timeout=1800,
                                           drop_env=["HSGD_RANKS_PER_NODE"])
             progress.step(f"{ranks} ranks measured")
+        if hosts:
+            with placement(args) as where:
+                measured["hosts"] = run_workers("model", where.ranks, [*args._argv, "--job", "hosts"],
+                                                timeout=3600, drop_env=["HSGD_RANKS_PER_NODE"], where=where)
+                progress.step(where.describe())
+            network = _fit_network(measured["hosts"]["network"], args)
         here = _fit_here(measured[2]["calibration"]) if measure else None
-        machine = _machine(args, here)
+        machine = _machine(args, here, network)
         predictions = _predict(args, machine)
         progress.step(f"{len(predictions)} configurations predicted")
         if args.png is not None:
-            _draw(args, predictions, args.png)
+            _draw(args, predictions, args.png, machine)
             progress.step(f"drew {args.png}")
-    tables = [_grid_table(args, predictions), _machine_table(args, machine, here)]
-    raw = {"machine": machine.as_dict(), "here": here, "predictions": predictions,
+    tables = [_grid_table(args, predictions, machine, network), _machine_table(args, machine, here, network)]
+    raw = {"machine": machine.as_dict(), "here": here, "network": network, "predictions": predictions,
+           "network_calibration": measured["hosts"]["network"] if hosts else None,
            "calibration": measured[2]["calibration"] if measure else None, "validation": None}
     if args.validate:
-        rows = [r for ranks in jobs for r in measured[ranks]["validation"]]
-        tables.append(_validation_table(args, rows, here))
+        if hosts:
+            rows = measured["hosts"]["validation"]
+            tables.append(_validation_table(args, rows, machine, HOST_MEASURED, _hosts_title(args, network)))
+        else:
+            rows = [r for ranks in jobs for r in measured[ranks]["validation"]]
+            tables.append(_validation_table(args, rows, _this_machine(here), MEASURED, (
+                "Predicted vs measured on this machine (network = MPI over shared memory, as fitted)")))
         raw["validation"] = rows
     return Result(tables, raw)
 
@@ -168,10 +220,21 @@ def _fit_here(calibration) -> dict:
     return {"intra_latency": a_s / 2, "intra_bandwidth": b_s, "local_latency": a_m / 2, "local_bandwidth": b_m}
 
 
-def _machine(args, here) -> _costs.Machine:
-    """The cluster: the network as given; inside a node, as given or as measured here."""
+def _fit_network(calibration, args) -> dict:
+    """``alpha`` and ``B`` of the links between the emulated hosts (one stream each way per link),
+    and ``B`` as a fraction of the slowest link's rate."""
+    latency, bandwidth = _fit([4 * n for n in calibration["sizes"]], calibration["times"])
+    rate = min(link_rates(args), key=lambda r: float("inf") if r is None else r)
+    return {"latency": latency, "bandwidth": bandwidth, "link_bytes_per_s": None if rate is None else rate / 8}
+
+
+def _machine(args, here, network=None) -> _costs.Machine:
+    """The cluster: the network as given, or as measured across emulated hosts; inside a node, as
+    given or as measured here."""
     node = {key: here[key] if getattr(args, key) is None else getattr(args, key) for key in HERE}
-    return _costs.Machine(latency=args.latency, bandwidth=args.bandwidth, **node,
+    latency, bandwidth = (args.latency, args.bandwidth) if network is None else (
+        network["latency"], network["bandwidth"])
+    return _costs.Machine(latency=latency, bandwidth=bandwidth, **node,
                           stream_bandwidth=args.stream_bandwidth, memory_bandwidth=args.memory_bandwidth,
                           gossip_rate=args.gossip_rate)
 
@@ -215,13 +278,14 @@ def _fastest(seconds: dict) -> str:
     return " = ".join(name for name, s in sync.items() if math.isclose(s, best, rel_tol=1e-9))
 
 
-def _grid_table(args, predictions) -> Table:
+def _grid_table(args, predictions, machine, network) -> Table:
     rows = [[_count(p["params"]), p["nodes"], p["ranks_per_node"], p["nodes"] * p["ranks_per_node"],
              *(_ms(s) for s in p["seconds"].values()), _fastest(p["seconds"])] for p in predictions]
     stream = "" if args.stream_bandwidth is None else f", {args.stream_bandwidth / 1e9:g} GB/s per rank"
+    where = "" if network is None else f" (measured across {args.hosts} emulated hosts, links {args.link})"
     return Table(COLUMNS, rows, title=(
         f"Predicted communication per step (alpha-beta model, hsgd/bench/_costs.py): network "
-        f"{args.latency * 1e6:g} us, {args.bandwidth / 1e9:g} GB/s per node{stream}; "
+        f"{machine.latency * 1e6:.3g} us, {_rate(machine.bandwidth)} per node{where}{stream}; "
         f"{args.dtype_bytes}-byte elements; a gossiping rank sends its model in "
         f"{'every round' if args.gossip_rate == 1 else f'{args.gossip_rate:g} of the rounds'}"),
         notes=["'fastest sync': among the exact synchronous averages (flat ring, leader, sharded); gossip "
@@ -229,11 +293,22 @@ def _grid_table(args, predictions) -> Table:
                "terms are an upper bound: MPI switches to log2(p)-step algorithms at large p."])
 
 
-def _machine_table(args, machine, here) -> Table:
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.3g} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.3g} MB/s"
+
+
+def _machine_table(args, machine, here, network) -> Table:
     level1 = "fit here: hsgd's node average, 2 ranks, 4 KiB and 16 MiB"
     mpi = "fit here: MPI Allreduce, 2 ranks, 4 KiB and 16 MiB"
-    rows = [["network latency", f"{machine.latency * 1e6:g} us", "--latency"],
-            ["network bandwidth per node", f"{machine.bandwidth / 1e9:g} GB/s", "--bandwidth"]]
+    if network is None:
+        rows = [["network latency", f"{machine.latency * 1e6:g} us", "--latency"],
+                ["network bandwidth per node", _rate(machine.bandwidth), "--bandwidth"]]
+    else:
+        fit = f"fit across {args.hosts} emulated hosts: Sendrecv between their first ranks, 4 KiB and 16 MiB"
+        link = network["link_bytes_per_s"]
+        share = "" if link is None else f" ({network['bandwidth'] / link:.0%} of the link's {_rate(link)})"
+        rows = [["network latency", f"{machine.latency * 1e6:.1f} us", fit],
+                ["network bandwidth per node", _rate(machine.bandwidth) + share, fit]]
     for key, name, unit, fit in (
             ("intra_latency", "level-1 fence latency, per barrier round", "us", level1),
             ("intra_bandwidth", "level-1 copy bandwidth, per rank", "GB/s", level1),
@@ -247,37 +322,49 @@ def _machine_table(args, machine, here) -> Table:
         rows.append([name, f"{value:.2f} {unit}", source])
     return Table(("parameter", "value", "from"), rows, title=(
         f"The model's parameters (measurements: median of {args.repeats} after {args.warmup} warm-up; "
-        "--validate takes this machine's MPI figures as its network)"))
+        "--validate here takes this machine's MPI figures as its network)"))
 
 
 # --- validation ---------------------------------------------------------------------------------
 
-def _validation_table(args, rows, here) -> Table:
-    machine = _this_machine(here)
+def _validation_table(args, rows, machine, strategies, title) -> Table:
     table = Table(VALIDATION_COLUMNS, title=(
-        f"Predicted vs measured on this machine (network = MPI over shared memory, as fitted); slowest "
-        f"rank, median of {args.repeats} after {args.warmup} warm-up"))
+        f"{title}; slowest rank, median of {args.repeats} after {args.warmup} warm-up (gossip: the mean)"))
     errors = []
     for row in rows:
         nodes, k, n = row["nodes"], row["ranks_per_node"], row["numel"]
         predicted = _costs.predict(4 * n, nodes, k, machine)
-        row["predicted"] = {name: predicted[name] for name in MEASURED}
-        for name in MEASURED:
-            pred, meas = predicted[name], median(row["times"][name])
+        row["predicted"] = {name: predicted[name] for name in strategies}
+        for name in strategies:
+            times = row["times"][name]
+            pred, meas = predicted[name], (sum(times) / len(times) if name == "gossip" else median(times))
             errors.append(abs(pred / meas - 1))
             table.rows.append([f"{nodes} x {k}", f"{n:,}", name, _ms(pred), _ms(meas),
                                f"{100 * (pred / meas - 1):+.0f}%", _bytes_match(row, name)])
+        if "MPI Allreduce" in row["times"]:  # measured beside the ring, not a strategy of the model
+            table.rows.append([f"{nodes} x {k}", f"{n:,}", "MPI Allreduce", "-",
+                               _ms(median(row["times"]["MPI Allreduce"])), "-", "-"])
     table.notes = [f"error = predicted / measured - 1; median |error| {100 * median(errors):.0f}%, "
-                   f"largest {100 * max(errors):.0f}%. 1 x 2 is the calibration's configuration (other sizes)."]
+                   f"largest {100 * max(errors):.0f}%."]
+    if not on_hosts(args):
+        table.notes[0] += " 1 x 2 is the calibration's configuration (other sizes)."
     return table
 
 
+def _hosts_title(args, network) -> str:
+    return (f"Predicted vs measured across {args.hosts} emulated hosts (links {args.link}, TCP; the network "
+            f"as fitted: {network['latency'] * 1e6:.0f} us, {_rate(network['bandwidth'])})")
+
+
 def _bytes_match(row, name) -> str:
-    if name == "flat ring":
+    """Whether hsgd counted the model's bytes, up to the rounding of one byte per chunk."""
+    if name not in ("leader", "sharded"):
         return "-"
     expected = _costs.bytes_per_rank(name, 4 * row["numel"], row["nodes"], row["ranks_per_node"])
     counted = {key: round(value) for key, value in row["traffic"][name].items()}
-    return "yes" if counted == expected else f"no: hsgd counted {counted}, model {expected}"
+    slack = -(-4 * row["numel"] // CHUNK_BYTES)
+    same = all(abs(counted[key] - expected[key]) <= slack for key in expected)
+    return "yes" if same else f"no: hsgd counted {counted}, model {expected}"
 
 
 def _validate_numels(args):
@@ -286,7 +373,8 @@ def _validate_numels(args):
 
 def worker(args):
     """On every rank: the calibration (2 ranks) and ``--validate``'s configurations for this rank
-    count; rank 0 returns every repeat's time and its traffic per average."""
+    count, or (``--job hosts``) the network and the configurations across the emulated hosts;
+    rank 0 returns every repeat's time and its traffic per average."""
     import torch
     from mpi4py import MPI
 
@@ -294,25 +382,148 @@ def worker(args):
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
+    if args._job == "hosts":
+        return _hosts_worker(comm, args)
     out = {"ranks": comm.size, "calibration": None, "validation": []}
     if comm.size == 2:
         out["calibration"] = {"sizes": list(CALIBRATION_SIZES),
                               "level1": [hsgd_times(comm, n, args)[0] for n in CALIBRATION_SIZES],
                               "mpi": [mpi_times(comm, n, args) for n in CALIBRATION_SIZES]}
-    for nodes, k in (VALIDATION[comm.size] if args.validate else ()):
+    for nodes, k in (VALIDATION[comm.size] if args.validate and not on_hosts(args) else ()):
         for n in _validate_numels(args):
-            row = {"nodes": nodes, "ranks_per_node": k, "numel": n, "times": {}, "traffic": {}}
-            row["times"]["flat ring"] = mpi_times(comm, n, args)
-            for name in ("leader", "sharded"):
-                row["times"][name], row["traffic"][name] = hsgd_times(
-                    comm, n, args, ranks_per_node=None if nodes == 1 else k, inter_node=name)
-            out["validation"].append(row)
+            out["validation"].append(_measure(comm, n, nodes, k, args, MEASURED, None if nodes == 1 else k))
+    return out
+
+
+def _measure(comm, n, nodes, k, args, strategies, ranks_per_node=None, ring=False) -> dict:
+    """Every repeat's time of each of ``strategies`` on ``comm`` (``nodes`` x ``k`` ranks), and
+    hsgd's traffic per average; the flat ring is ``MPI_Allreduce``, or with ``ring`` a ring
+    (:func:`_ring_times`), and then ``MPI_Allreduce`` too (``"MPI Allreduce"``, not modelled).
+    Collective over ``comm``."""
+    from .allreduce import hsgd_times, mpi_times
+
+    row = {"nodes": nodes, "ranks_per_node": k, "numel": n, "times": {}, "traffic": {}}
+    for name in strategies:
+        if name == "flat ring" and ring:
+            row["times"][name] = _ring_times(comm, n, args)
+        elif name == "flat ring":
+            row["times"][name] = mpi_times(comm, n, args)
+        elif name in ("leader", "sharded"):
+            row["times"][name], row["traffic"][name] = hsgd_times(comm, n, args, ranks_per_node=ranks_per_node,
+                                                                  inter_node=name)
+        elif name == "gossip":
+            row["times"][name] = _gossip_times(comm, n, args)
+        else:
+            row["times"][name] = _box_times(comm, n, args)
+    if ring:
+        row["times"]["MPI Allreduce"] = mpi_times(comm, n, args)
+    return row
+
+
+def _ring_times(comm, n, args):
+    """Every repeat's slowest-rank seconds of a ring allreduce of ``n`` float32 (the model's
+    flat ring: p-1 steps of reduce-scatter, p-1 of allgather, each a ``Sendrecv`` of about
+    ``n / p`` to the next rank). ``MPI_Allreduce`` is not one: MPICH folds a party count that
+    is not a power of two onto one that is (:mod:`hsgd._engine.sums`). Collective."""
+    from .allreduce import _timed
+
+    p, rank = comm.Get_size(), comm.Get_rank()
+    buf = np.ones(n, np.float32)
+    blocks = np.array_split(buf, p)
+    scratch = np.empty(blocks[0].size, np.float32)
+    right, left = (rank + 1) % p, (rank - 1) % p
+
+    def ring():
+        for step in range(p - 1):  # reduce-scatter: block (rank - step - 1) arrives and is added
+            out, into = blocks[(rank - step) % p], blocks[(rank - step - 1) % p]
+            comm.Sendrecv(out, right, 0, scratch[:into.size], left, 0)
+            into += scratch[:into.size]
+        for step in range(p - 1):  # allgather: the finished block (rank + 1 - step) goes around
+            comm.Sendrecv(blocks[(rank + 1 - step) % p], right, 1, blocks[(rank - step) % p], left, 1)
+    return _timed(comm, ring, args)
+
+
+def _gossip_times(comm, n, args):
+    """Every repeat's slowest-rank seconds of one :class:`hsgd.GossipSGD` step (exponential graph,
+    every round sending) of a model of ``n`` float32, learning rate 0. Collective."""
+    import torch
+
+    from hsgd import GossipSGD, Topology
+
+    from .allreduce import _timed
+
+    weights = torch.nn.Parameter(torch.ones(n))
+    weights.grad = torch.zeros(n)
+    with Topology.from_comm(comm) as topo, \
+            GossipSGD(torch.optim.SGD([weights], lr=0.0), named_parameters=[("w", weights)], topology=topo,
+                      graph="exponential", theta=0.0) as opt:
+        return _timed(comm, opt.step, args)
+
+
+def _box_times(comm, n, args):
+    """Every repeat's slowest-rank seconds of what an :class:`hsgd.AsyncSGD` step moves: every rank
+    accumulates ``n`` float32 into a :class:`hsgd.RemoteMemory` sharded over the nodes' first
+    ranks, then reads it back, all ranks at once. Collective."""
+    import torch
+
+    from hsgd import RemoteMemory
+
+    from .allreduce import _timed
+
+    with RemoteMemory(comm, n) as mem:
+        delta, weights = torch.full((n,), -1e-3), torch.empty(n)
+
+        def update():
+            mem.accumulate(0, delta)
+            mem.read(0, weights)
+        times = _timed(comm, update, args)
+        comm.Barrier()  # every rank has stopped before the region is freed
+    return times
+
+
+def _wait_idle(comm, poll: float = 1e-3) -> None:
+    """A barrier that sleeps between tests instead of spinning (4 ranks share 2 cores here)."""
+    import time
+
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll)
+
+
+def _hosts_worker(comm, args):
+    """Across the emulated hosts (the hosts are the nodes): the network between the hosts' first
+    ranks, then (``--validate``) every strategy on N x 1 (those ranks) and N x k (all)."""
+    from mpi4py import MPI
+
+    from .allreduce import _timed
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    k, first = node.size, node.rank == 0
+    node.Free()
+    leaders = comm.Split(0 if first else MPI.UNDEFINED, key=comm.rank)
+    out = {"network": None, "validation": []}
+    if first:
+        nodes = leaders.size
+        times = []
+        for n in CALIBRATION_SIZES:
+            send, recv = np.ones(n, np.float32), np.empty(n, np.float32)
+            right, left = (leaders.rank + 1) % nodes, (leaders.rank - 1) % nodes
+            times.append(_timed(leaders, lambda s=send, r=recv, to=right, fro=left: leaders.Sendrecv(
+                s, to, 0, r, fro, 0), args))
+        out["network"] = {"sizes": list(CALIBRATION_SIZES), "times": times}
+        for n in (_validate_numels(args) if args.validate else ()):
+            out["validation"].append(_measure(leaders, n, nodes, 1, args, HOST_MEASURED, ring=True))
+        leaders.Free()
+    _wait_idle(comm)  # the others wait, off the cores the first ranks' TCP needs
+    nodes = comm.allreduce(1 if first else 0)
+    for n in (_validate_numels(args) if args.validate and k > 1 else ()):
+        out["validation"].append(_measure(comm, n, nodes, k, args, HOST_MEASURED, ring=True))
     return out
 
 
 # --- the picture --------------------------------------------------------------------------------
 
-def _draw(args, predictions, path: Path) -> None:
+def _draw(args, predictions, path: Path, machine) -> None:
     from .._trainer.plots import new_figure
 
     fig = new_figure()
@@ -335,6 +546,6 @@ def _draw(args, predictions, path: Path) -> None:
             if i == len(sizes) - 1:
                 ax.set_xlabel("nodes")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"Predicted communication per step: {args.latency * 1e6:g} us, "
-                 f"{args.bandwidth / 1e9:g} GB/s per node", fontsize=10)
+    fig.suptitle(f"Predicted communication per step: {machine.latency * 1e6:.3g} us, "
+                 f"{_rate(machine.bandwidth)} per node", fontsize=10)
     fig.savefig(path, dpi=100)

@@ -147,6 +147,12 @@ def test_the_command_runs_a_job_and_reports_the_links(emulated_hosts):
     ("box", ["--sizes", "1e3", "--repeats", "1", "--seconds", "0.1"],
      "| ranks | floats | PS | box | box, all work | box, owner computes | box/PS | all work/PS "
      "| owner computes/PS |"),
+    ("gossip", ["--epochs", "1", "--thetas", "--warmup", "0", "--mnist1d-samples", "800", "--batch-size", "64"],
+     "| run | intra MB | inter MB | traffic vs every-step gossip | wall s | train s "
+     "| train time vs every-step gossip | final test acc | best test acc |"),
+    ("model", ["--validate", "--validate-sizes", "64", "--params", "1e3", "--nodes", "1", "4096",
+               "--ranks-per-node", "1", "--repeats", "1", "--warmup", "0"],
+     "| nodes x ranks/node | floats | strategy | predicted ms | measured ms | error | bytes as modelled |"),
 ])
 def test_the_benchmarks_run_across_hosts(emulated_hosts, name, options, header):
     """``python -m hsgd.bench SUBCOMMAND --hosts 2``, as a user runs it (no timing asserted)."""

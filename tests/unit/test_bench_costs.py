@@ -51,7 +51,7 @@ def test_gossip_and_box_in_closed_form():
     half = _costs.Machine(**{**M.as_dict(), "gossip_rate": 0.5})
     assert _costs.gossip(N_BYTES, 2, 2, half) < _costs.gossip(N_BYTES, 2, 2, M)
     chunks = 2 * math.ceil(N_BYTES / 2 / DEFAULT_CHUNK_BYTES)
-    assert _costs.box(N_BYTES, 2, 2, M) == pytest.approx(2 * (chunks * M.latency + 2 * N_BYTES / M.bandwidth))
+    assert _costs.box(N_BYTES, 2, 2, M) == pytest.approx(2 * (chunks * M.latency + N_BYTES / M.bandwidth))
     assert _costs.BOX_CHUNK_BYTES == DEFAULT_CHUNK_BYTES
 
 
@@ -62,3 +62,10 @@ def test_bytes_are_what_traffic_counts(nodes, k):
     assert leader["intra_bytes"] == sharded["intra_bytes"] == 2 * (k - 1) * nbytes // k
     assert leader["inter_bytes"] == (allreduce_bytes(nbytes, nodes) if nodes > 1 else 0)
     assert sharded["inter_bytes"] == (allreduce_bytes(nbytes // k, nodes) if nodes > 1 else 0)
+
+
+def test_the_model_knows_hsgds_chunk():
+    from hsgd.bench import model
+    from hsgd.inter_node import CHUNK_BYTES
+
+    assert model.CHUNK_BYTES == CHUNK_BYTES
