@@ -17,12 +17,14 @@ staging copy):
 
 Both sum; the caller scales by ``1 / world_size``, so unequal nodes still
 give the exact global mean. A buffer crosses in sums of at most
-``CHUNK_BYTES`` (4 MiB), each an ``MPI_Allreduce`` or, for a node count that is
-not a power of two, a reduce-scatter then an allgather (:mod:`hsgd._engine.sums`:
-MPICH's allreduce took 2.5x the wire limit across 3 hosts): across two hosts at 1 Gbit/s with two ranks each,
-one 8 MB ``MPI_Allreduce`` between the leaders took 80.6 ms and two of 4 MB
-66.8 ms (the wire limit is 64 ms); with one rank per host both took 67 ms. With ``compression`` (``"fp16"``, ``"bf16"``,
-:mod:`hsgd.compression`) the sums cross nodes in 16 bits.
+``CHUNK_BYTES`` (4 MiB): across two hosts at 1 Gbit/s with two ranks each, one
+8 MB ``MPI_Allreduce`` between the leaders took 80.6 ms and two of 4 MB
+66.8 ms (the wire limit is 64 ms); with one rank per host both took 67 ms.
+Each sum is an ``MPI_Allreduce`` or, for a node count above 2 that is not a
+power of two, a reduce-scatter then an allgather (:mod:`hsgd._engine.sums`:
+MPICH's allreduce took 2.5x the wire limit across 3 hosts). With
+``compression`` (``"fp16"``, ``"bf16"``, :mod:`hsgd.compression`) the sums
+cross nodes in 16 bits.
 
 Example::
 

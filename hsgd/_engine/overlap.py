@@ -23,8 +23,9 @@ a bucket:
   leader, once every slice is in, allreduces the bucket with the other leaders
   and says so (``CROSSED``); then each rank spreads its slice.
 
-The inter-node allreduce runs in the background (``Iallreduce``, in chunks of
-at most :data:`hsgd.inter_node.CHUNK_BYTES`, one bucket on the wire at a time):
+The inter-node allreduce runs in the background (non-blocking sums,
+:func:`hsgd._engine.sums.start_sum`, in chunks of at most
+:data:`hsgd.inter_node.CHUNK_BYTES`, one bucket on the wire at a time):
 backward and the reduction of the next buckets go on while bucket i crosses.
 Over TCP a non-blocking allreduce moves only while its rank is inside MPI, so
 the hooks test it, and, where MPI allows calls from any thread

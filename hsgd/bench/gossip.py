@@ -79,11 +79,11 @@ def run(args, extra) -> Result:
             records, seconds = train(*epochs, "--sync", "gossip", "--gossip-graph", args.graph,
                                      "--gossip-theta", str(theta))
             runs.append((f"gossip theta={theta:g}", records, seconds))
-        where = f"{ranks} ranks" if where is None else where.describe()
+        setting = f"{ranks} ranks" if where is None else where.describe()
     reference = next(epochs for name, epochs, _ in runs if name == "gossip theta=0")
     every_step = sum(e["intra_bytes"] + e["inter_bytes"] for e in reference)
     every_step_s = sum(e["seconds"] for e in reference)
-    table = Table(COLUMNS, title=f"{where}, {args.epochs} epochs, MNIST-1D, graph {args.graph} {' '.join(extra)}")
+    table = Table(COLUMNS, title=f"{setting}, {args.epochs} epochs, MNIST-1D, graph {args.graph} {' '.join(extra)}")
     table.notes = ["train s: the epoch records' seconds summed (training and evaluation); wall s: the whole "
                    "job, start-up included"]
     raw = []
