@@ -46,9 +46,9 @@ the table of parameters gives ``B`` as a fraction of the link's rate. With
 ``--validate`` the same job then measures every strategy on N hosts x 1
 (one rank per host) and N hosts x k ranks, the hosts as the nodes: the flat
 ring (``MPI Allreduce``), ``leader``, ``sharded``, gossip (a
-:class:`hsgd.GossipSGD` step on the exponential graph, every round sending,
-the mean over ``--repeats`` steps as the model averages over the graph's
-rounds) and the box (every rank's ``accumulate`` then ``read`` of the whole
+:class:`hsgd.GossipSGD` step on the exponential graph, every round sending;
+a repeat is one cycle of the graph's rounds, per step, as the model averages
+over them) and the box (every rank's ``accumulate`` then ``read`` of the whole
 model in a :class:`hsgd.RemoteMemory` sharded over the hosts' first ranks,
 all ranks at once, as :class:`hsgd.AsyncSGD` steps), each beside the model's
 prediction with that network.
@@ -329,7 +329,8 @@ def _machine_table(args, machine, here, network) -> Table:
 
 def _validation_table(args, rows, machine, strategies, title) -> Table:
     table = Table(VALIDATION_COLUMNS, title=(
-        f"{title}; slowest rank, median of {args.repeats} after {args.warmup} warm-up (gossip: the mean)"))
+        f"{title}; slowest rank, median of {args.repeats} after {args.warmup} warm-up (gossip: per step "
+        "of a cycle of the graph's rounds)"))
     errors = []
     for row in rows:
         nodes, k, n = row["nodes"], row["ranks_per_node"], row["numel"]
@@ -337,7 +338,7 @@ def _validation_table(args, rows, machine, strategies, title) -> Table:
         row["predicted"] = {name: predicted[name] for name in strategies}
         for name in strategies:
             times = row["times"][name]
-            pred, meas = predicted[name], (sum(times) / len(times) if name == "gossip" else median(times))
+            pred, meas = predicted[name], median(times)
             errors.append(abs(pred / meas - 1))
             table.rows.append([f"{nodes} x {k}", f"{n:,}", name, _ms(pred), _ms(meas),
                                f"{100 * (pred / meas - 1):+.0f}%", _bytes_match(row, name)])
@@ -444,8 +445,13 @@ def _ring_times(comm, n, args):
 
 
 def _gossip_times(comm, n, args):
-    """Every repeat's slowest-rank seconds of one :class:`hsgd.GossipSGD` step (exponential graph,
-    every round sending) of a model of ``n`` float32, learning rate 0. Collective."""
+    """Every repeat's slowest-rank seconds per step of :class:`hsgd.GossipSGD` (exponential graph,
+    every round sending) on a model of ``n`` float32, learning rate 0. A repeat is one cycle of
+    the graph's rounds (each round's peers are another distance away, so its step costs
+    another time), divided by the round count: the model's mean over the rounds. The warm-up
+    is at least one cycle. Collective."""
+    import argparse
+
     import torch
 
     from hsgd import GossipSGD, Topology
@@ -457,7 +463,13 @@ def _gossip_times(comm, n, args):
     with Topology.from_comm(comm) as topo, \
             GossipSGD(torch.optim.SGD([weights], lr=0.0), named_parameters=[("w", weights)], topology=topo,
                       graph="exponential", theta=0.0) as opt:
-        return _timed(comm, opt.step, args)
+        rounds = len(opt.graph.distances)
+
+        def cycle():
+            for _ in range(rounds):
+                opt.step()
+        cycles = argparse.Namespace(repeats=args.repeats, warmup=max(1, args.warmup))
+        return [t / rounds for t in _timed(comm, cycle, cycles)]
 
 
 def _box_times(comm, n, args):

@@ -21,8 +21,11 @@ it has a peer: the schedule says whom each rank hears from, so a receiver
 waits for one small message from a peer that is, by construction, in the
 same round, never for a sender's decision, and no deadlock is possible.
 
-Messages are MPI point-to-point (``Isend``/``Recv``); between ranks on one
-node MPICH and Open MPI carry them through shared memory. The traffic
+Messages are MPI point-to-point (``Isend``/``Irecv``), waited for without
+holding the core (:func:`hsgd._engine.waits.wait_all`: ranks that share cores
+with each other or with the TCP stack would otherwise take the cycles the
+transfer needs); between ranks on one node MPICH and Open MPI carry them
+through shared memory. The traffic
 counters count every byte sent, headers included: ``intra_bytes`` to peers
 on this rank's node, ``inter_bytes`` to others.
 
@@ -55,6 +58,7 @@ from .._engine.binding import FlatSlot, SlotBinding
 from .._engine.checks import check_choice, check_int
 from .._engine.mode import SyncMode, collective
 from .._engine.traffic import Traffic
+from .._engine.waits import wait_all
 from ..errors import InputValueError
 from .graphs import GRAPHS, make_graph
 
@@ -166,7 +170,8 @@ class GossipSGD(SyncMode):
         send = bool(outs) and self.triggered()
         share = self.weight / (len(outs) + 1) if send else 0.0
         header = np.array([1.0 if send else 0.0, share])
-        requests = []
+        heads = {peer: np.empty(2) for peer in ins}
+        requests = [comm.Irecv([heads[peer], MPI.DOUBLE], source=peer, tag=_HEADER) for peer in ins]
         for peer in outs:
             requests.append(comm.Isend([header, MPI.DOUBLE], dest=peer, tag=_HEADER))
             nbytes = header.nbytes
@@ -174,17 +179,16 @@ class GossipSGD(SyncMode):
                 requests.append(comm.Isend([x.numpy(), self._mpi_type], dest=peer, tag=_MODEL))
                 nbytes += x.numel() * x.element_size()
             self._count(peer, nbytes)
+        wait_all(requests[:len(ins)])  # the headers: who sends a model this round
         received = []
         for peer in ins:
-            head = np.empty(2)
-            comm.Recv([head, MPI.DOUBLE], source=peer, tag=_HEADER)
-            if head[0]:
+            if heads[peer][0]:
                 buf = self._inbox.get(peer)
                 if buf is None:
                     buf = self._inbox[peer] = torch.empty_like(x)
-                comm.Recv([buf.numpy(), self._mpi_type], source=peer, tag=_MODEL)
-                received.append((buf, float(head[1])))
-        MPI.Request.Waitall(requests)  # x is read by the sends until here
+                requests.append(comm.Irecv([buf.numpy(), self._mpi_type], source=peer, tag=_MODEL))
+                received.append((buf, float(heads[peer][1])))
+        wait_all(requests)  # x is read by the sends until here; the models are in
         if send:
             self.sent.copy_(x)
             self.sends += 1

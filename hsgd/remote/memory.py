@@ -24,8 +24,11 @@ How it works, and why so:
 - One RMA window, ``MPI.Win.Allocate`` over ``comm`` (owners allocate their
   shard, the others nothing), with one passive-target epoch opened at
   construction, ``Lock_all(MPI.MODE_NOCHECK)``, and closed by :meth:`close`.
-  Each operation is ``Put``/``Get``/``Accumulate`` followed by
-  ``Flush(owner)``: when it returns, the data is in the region. No rank
+  Each operation issues its ``Put``/``Get``/``Accumulate`` chunks and then
+  ``Flush``es the owners (a write flushes each chunk; a read and an
+  accumulate issue every chunk to every owner first, so the owners' links
+  carry them at once and no chunk waits for the last one's round trip):
+  when it returns, the data is in the region. No rank
   takes a lock on the window per operation. That matters: MPICH grants a
   passive-target lock (``Win.Lock``, or ``Lock_all`` without ``NOCHECK``)
   only when the owner enters MPI, so an owner busy computing delays every
@@ -64,14 +67,16 @@ its arguments on every rank and agrees, so a bad value raises the same
 from __future__ import annotations
 
 import time
+from collections import deque
 from contextlib import contextmanager
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from .._engine.traffic import Traffic
+from .._engine.waits import Backoff
 from ..topology import Topology
 from .control import ControlWords
 from .layout import DTYPES, agree_owners, pieces, shard_bounds
@@ -80,6 +85,8 @@ from .progress import IDLE_S, Doorbells
 __all__ = ["RemoteMemory", "DTYPES", "DEFAULT_CHUNK_BYTES"]
 
 DEFAULT_CHUNK_BYTES = 4 << 20
+READ_PIECE_BYTES = 1 << 20  # a read from another host goes in pieces of at most this size,
+READ_WINDOW = 2             # this many in flight per owner (see _get_windowed)
 
 class RemoteMemory:
     """A region of ``numel`` elements of ``dtype``, sharded over ``owners``. Collective.
@@ -111,6 +118,7 @@ class RemoteMemory:
         self._np_dtype, self._mpi_type = DTYPES[dtype]
         self.itemsize = np.dtype(self._np_dtype).itemsize
         self._chunk = max(1, int(chunk_bytes) // self.itemsize)
+        self._read_piece = max(1, min(int(chunk_bytes), READ_PIECE_BYTES) // self.itemsize)
         self._starts = bounds = shard_bounds(self.numel, len(owners))  # owners[i]: [bounds[i], bounds[i + 1])
         rank = comm.Get_rank()
         self._local = {owner for owner in owners if owner in node_ranks}
@@ -192,6 +200,36 @@ class RemoteMemory:
             if flush:
                 self._win.Flush(owner)
 
+    def _get_windowed(self, queues: Dict[int, Deque[Tuple[np.ndarray, int]]]) -> None:
+        """Read every ``(buffer, displacement)`` of ``queues[owner]`` from ``owner``, at most
+        ``READ_WINDOW`` pieces in flight per owner, all owners at once, waiting politely.
+
+        Why a window: over TCP a read is a request to the owner and the owner's answer, on the
+        one connection each way between two processes. Everything this rank asks for at once
+        is queued on the owner's side of that connection, and every later message the owner
+        sends this rank (its own read requests, its accumulates, the control word's answers)
+        waits behind it: with the whole 8 MB asked for at once, a rank that started reading
+        3 ms later took 116 ms instead of 64 (two hosts, 1 Gbit/s). With 2 x 1 MiB in flight
+        the queue drains in 17 ms and the link stays full."""
+        inflight: Dict[int, Deque[MPI.Request]] = {owner: deque() for owner in queues}
+        backoff = Backoff()
+        while any(queues.values()) or any(inflight.values()):
+            moved = False
+            for owner, queue in queues.items():
+                pending = inflight[owner]
+                while pending and pending[0].Test():
+                    pending.popleft()
+                    moved = True
+                while queue and len(pending) < READ_WINDOW:
+                    buf, disp = queue.popleft()
+                    self._bells.ring(owner)
+                    pending.append(self._win.Rget([buf, self._mpi_type], owner, (disp, len(buf), self._mpi_type)))
+                    moved = True
+            if moved:
+                backoff.reset()
+            else:
+                backoff.idle()
+
     # --- the operations ------------------------------------------------------------------------
     def write(self, offset: int, tensor: torch.Tensor) -> None:
         """Store ``tensor`` (flattened) into elements ``[offset, offset + tensor.numel())``.
@@ -217,14 +255,18 @@ class RemoteMemory:
         flat = out.detach().reshape(-1)
         direct = out.device.type == "cpu" and flat.is_contiguous() and flat.data_ptr() == out.data_ptr()
         dst = flat.numpy() if direct else np.empty(flat.numel(), dtype=self._np_dtype)
+        queues: Dict[int, Deque[Tuple[np.ndarray, int]]] = {}
         for owner, first, stop, disp in pieces(self._starts, self.owners, offset, dst.size):
             view = self._direct.get(owner)
             if view is not None:
                 self._win.Sync()
                 dst[first:stop] = view[disp:disp + stop - first]
             else:
-                self._rma("get", owner, dst[first:stop], disp)
+                queue = queues.setdefault(owner, deque())
+                for lo in range(first, stop, self._read_piece):
+                    queue.append((dst[lo:min(stop, lo + self._read_piece)], disp + lo - first))
             self._count(owner, stop - first)
+        self._get_windowed(queues)
         if not direct:
             out.copy_(torch.from_numpy(dst).view(out.shape))
         return out
