@@ -25,14 +25,16 @@ class Runs:
     benchmark passes on); returns (epoch records, wall seconds). ``warmup`` runs of
     ``warmup_options --epochs 1`` come first, untimed. ``progress``: a
     :class:`~hsgd.bench._harness.Progress` stepped after each run, warm-up included;
-    ``commands``: every run's command line."""
+    ``commands``: every run's command line; ``crossed``: across emulated hosts, what each host
+    sent and received over its link during the last run (``[(sent, received), ...]``, the
+    whole job: start-up, training, evaluation), else ``None``."""
 
     def __init__(self, ranks: int, tmp: str, cache_dir: Optional[str] = None, extra: Sequence[str] = (),
                  warmup: int = 1, progress=None, warmup_options: Sequence[str] = (), where=None):
         self.ranks, self.tmp, self.extra, self.count = ranks, Path(tmp), list(extra), 0
         self.where = where  # a Placement: across its emulated hosts instead (ranks: its own)
         self.cache = cache_dir or str(self.tmp / "cache")
-        self.progress, self.commands = progress, []
+        self.progress, self.commands, self.crossed = progress, [], None
         for _ in range(warmup):
             self(*warmup_options, "--epochs", "1")
 
@@ -46,9 +48,12 @@ class Runs:
         else:
             cmd = self.where.hosts.mpi_command([sys.executable, *args], self.where.ranks_per_host)
             env = mpi_env(self.where.hosts.tcp_env(), one_thread=False)
+        before = None if self.where is None else self.where.hosts.counters()
         start = time.perf_counter()
         out = run_job(cmd, env)
         seconds = time.perf_counter() - start
+        if before is not None:
+            self.crossed = [(c["sent"], c["received"]) for c in self.where.hosts.crossed(before)]
         if out.returncode:
             sys.exit(f"hsgd.bench: {' '.join(cmd)} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
         self.commands.append(cmd)

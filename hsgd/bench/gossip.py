@@ -25,7 +25,13 @@ communication-bound across hosts.
 
 Across emulated hosts (``--hosts``, ``--link``, ``--ranks-per-host``; root
 only) every run is one job across them, the hosts are the nodes and the
-inter-node bytes cross the shaped links, TCP forced.
+inter-node bytes cross the shaped links, TCP forced. A ``--gossip-theta inf``
+run (no gossip: only the evaluations' consensus crosses the links) comes
+first, the floor, and every run gets the megabytes that crossed the busiest
+link (read from the links' byte counters over the whole job, TCP/IP
+headers, start-up and evaluation included), its wire limit (the floor's
+train seconds plus the bytes beyond the floor's over the link's rate) and
+the fraction of that limit the run reached.
 """
 
 from __future__ import annotations
@@ -34,11 +40,14 @@ import tempfile
 
 from ._harness import Progress, Result, Table, int_at_least
 from ._launch import add_hosts_options, check_hosts_options, placement
+from ._links import link_rates, wire_limit
 from ._training import Runs
 
 PASSES_ON = True  # options this module does not know go to python -m hsgd.train
 COLUMNS = ("run", "intra MB", "inter MB", "traffic vs every-step gossip", "wall s", "train s",
            "train time vs every-step gossip", "final test acc", "best test acc")
+WIRE_COLUMNS = ("MB on the busiest link", "wire limit s", "of the wire limit")  # across hosts
+FLOOR = "no communication (theta=inf)"
 
 
 def add_arguments(p) -> None:
@@ -66,34 +75,57 @@ def check(args, extra, parser) -> None:
 
 def run(args, extra) -> Result:
     runs = []
-    count = args.warmup + 2 + len(args.thetas) + args.sync_balance
+    count = args.warmup + 2 + len(args.thetas) + args.sync_balance + bool(args.hosts)
     with tempfile.TemporaryDirectory() as tmp, placement(args) as where, \
             Progress(count, "hsgd.bench gossip", args.progress) as progress:
         ranks = args.ranks if where is None else where.ranks
         train = Runs(ranks, tmp, args.cache_dir, extra, args.warmup, progress, where=where)
         epochs = ["--epochs", str(args.epochs)]
-        runs.append(("sync", *train(*epochs, "--sync", "sync")))
+        gossip = ["--sync", "gossip", "--gossip-graph", args.graph]
+
+        def measure(name, *options):
+            runs.append((name, *train(*epochs, *options), train.crossed))
+        if where is not None:
+            measure(FLOOR, *gossip, "--gossip-theta", "inf")
+        measure("sync", "--sync", "sync")
         if args.sync_balance:
-            runs.append(("sync --balance", *train(*epochs, "--sync", "sync", "--balance")))
+            measure("sync --balance", "--sync", "sync", "--balance")
         for theta in [0.0, *args.thetas]:
-            records, seconds = train(*epochs, "--sync", "gossip", "--gossip-graph", args.graph,
-                                     "--gossip-theta", str(theta))
-            runs.append((f"gossip theta={theta:g}", records, seconds))
+            measure(f"gossip theta={theta:g}", *gossip, "--gossip-theta", str(theta))
         setting = f"{ranks} ranks" if where is None else where.describe()
-    reference = next(epochs for name, epochs, _ in runs if name == "gossip theta=0")
+    reference = next(epochs for name, epochs, _, _ in runs if name == "gossip theta=0")
     every_step = sum(e["intra_bytes"] + e["inter_bytes"] for e in reference)
     every_step_s = sum(e["seconds"] for e in reference)
-    table = Table(COLUMNS, title=f"{setting}, {args.epochs} epochs, MNIST-1D, graph {args.graph} {' '.join(extra)}")
+    floor = next(((sum(e["seconds"] for e in epochs), crossed) for name, epochs, _, crossed in runs
+                  if name == FLOOR), None)
+    wire = floor is not None
+    table = Table(COLUMNS + (WIRE_COLUMNS if wire else ()),
+                  title=f"{setting}, {args.epochs} epochs, MNIST-1D, graph {args.graph} {' '.join(extra)}")
     table.notes = ["train s: the epoch records' seconds summed (training and evaluation); wall s: the whole "
                    "job, start-up included"]
+    if wire:
+        table.notes.append(
+            "MB on the busiest link: the larger of sent and received on the busiest host's link over the whole "
+            "job (its byte counters); wire limit: the no-communication run's train s (its evaluations' "
+            "consensus included) plus the bytes beyond that run's over the link's rate; of the wire limit: "
+            "the limit / train s")
     raw = []
-    for name, epochs, seconds in runs:
+    for name, epochs, seconds, crossed in runs:
         intra, inter = (sum(e[k] for e in epochs) for k in ("intra_bytes", "inter_bytes"))
         final, best = epochs[-1]["test_acc"], max(e["test_acc"] for e in epochs)
         train_s = sum(e["seconds"] for e in epochs)
-        table.rows.append([name, f"{intra / 1e6:.1f}", f"{inter / 1e6:.1f}", f"{(intra + inter) / every_step:.3f}",
-                           f"{seconds:.0f}", f"{train_s:.1f}", f"{train_s / every_step_s:.2f}",
-                           f"{100 * final:.2f}%", f"{100 * best:.2f}%"])
-        raw.append({"run": name, "intra_bytes": intra, "inter_bytes": inter, "seconds": seconds,
-                    "train_seconds": train_s, "final_test_acc": final, "best_test_acc": best, "epochs": epochs})
+        row = [name, f"{intra / 1e6:.1f}", f"{inter / 1e6:.1f}", f"{(intra + inter) / every_step:.3f}",
+               f"{seconds:.0f}", f"{train_s:.1f}", f"{train_s / every_step_s:.2f}",
+               f"{100 * final:.2f}%", f"{100 * best:.2f}%"]
+        record = {"run": name, "intra_bytes": intra, "inter_bytes": inter, "seconds": seconds,
+                  "train_seconds": train_s, "final_test_acc": final, "best_test_acc": best, "epochs": epochs}
+        if wire:
+            beyond = [tuple(max(0, a - b) for a, b in zip(run, base)) for run, base in zip(crossed, floor[1])]
+            limit = wire_limit(beyond, link_rates(args), floor[0], 1)
+            busiest = max(max(pair) for pair in crossed)
+            row += [f"{busiest / 1e6:.1f}", "-" if limit is None else f"{limit:.1f}",
+                    "-" if limit is None else f"{limit / train_s:.0%}"]
+            record.update(crossed=crossed, wire_limit_seconds=limit)
+        table.rows.append(row)
+        raw.append(record)
     return Result([table], raw)

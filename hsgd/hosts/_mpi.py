@@ -14,6 +14,9 @@ exec``, which also gives the host its own ``/sys/class/net``):
   subnet, no binding to cores (every host shares this machine's cores).
 
 Ranks fill the hosts in order: ranks ``0..K1-1`` on the first host, and so on.
+Every rank runs under ``env OMP_NUM_THREADS=<cores / ranks>`` (unless
+``OMP_NUM_THREADS`` is set): the hosts share this machine's cores, and a rank
+that sizes its threads by the ranks of its own host would take them all.
 
 Every host runs on one kernel, so an MPI that looks for shared memory finds
 it between the hosts too, and the bytes never cross the links:
@@ -75,6 +78,7 @@ def launch_command(state: Dict, rsh: str, launcher: str, flavour: str, ranks_per
     placed = [(h, k) for h, k in zip(state["hosts"], ranks_per_host) if k > 0]
     hosts = ",".join(f"{h['address']}:{k}" for h, k in placed)
     total = str(sum(k for _, k in placed))
+    args = [*_thread_share(int(total)), *args]
     if flavour == "openmpi":
         subnet = state["subnet"]
         return [launcher, "--mca", "plm_rsh_agent", rsh, "--host", hosts, "-n", total, "--bind-to", "none",
@@ -82,6 +86,17 @@ def launch_command(state: Dict, rsh: str, launcher: str, flavour: str, ranks_per
                 "--mca", "pml", "ob1", "--mca", "btl", "tcp,sm,self", *args]
     return [launcher, "-launcher", "ssh", "-launcher-exec", rsh, "-iface", state["bridge"], "-hosts", hosts,
             "-n", total, *args]
+
+
+def _thread_share(ranks: int) -> List[str]:
+    """``env OMP_NUM_THREADS=<this machine's cores / ranks>``, unless the caller set it: the
+    emulated hosts share this machine's cores, which a rank cannot see (its host's ranks are
+    all it finds), so by the host's count every rank would take every core. Measured: one
+    epoch of the trainer on 2 hosts x 1 rank, 2 cores, spent 3.2-3.8 s computing with 2
+    threads per rank, 0.36 s with 1."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return []
+    return ["env", f"OMP_NUM_THREADS={max(1, len(os.sched_getaffinity(0)) // max(1, ranks))}"]
 
 
 def tcp_env(flavour: str) -> Dict[str, str]:

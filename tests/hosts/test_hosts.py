@@ -149,7 +149,8 @@ def test_the_command_runs_a_job_and_reports_the_links(emulated_hosts):
      "| owner computes/PS |"),
     ("gossip", ["--epochs", "1", "--thetas", "--warmup", "0", "--mnist1d-samples", "800", "--batch-size", "64"],
      "| run | intra MB | inter MB | traffic vs every-step gossip | wall s | train s "
-     "| train time vs every-step gossip | final test acc | best test acc |"),
+     "| train time vs every-step gossip | final test acc | best test acc | MB on the busiest link "
+     "| wire limit s | of the wire limit |"),
     ("model", ["--validate", "--validate-sizes", "64", "--params", "1e3", "--nodes", "1", "4096",
                "--ranks-per-node", "1", "--repeats", "1", "--warmup", "0"],
      "| nodes x ranks/node | floats | strategy | predicted ms | measured ms | error | bytes as modelled |"),
