@@ -24,11 +24,11 @@ How it works, and why so:
 - One RMA window, ``MPI.Win.Allocate`` over ``comm`` (owners allocate their
   shard, the others nothing), with one passive-target epoch opened at
   construction, ``Lock_all(MPI.MODE_NOCHECK)``, and closed by :meth:`close`.
-  Each operation issues its ``Put``/``Get``/``Accumulate`` chunks and then
-  ``Flush``es the owners (a write flushes each chunk; a read and an
-  accumulate issue every chunk to every owner first, so the owners' links
-  carry them at once and no chunk waits for the last one's round trip):
-  when it returns, the data is in the region. No rank
+  A write ``Put``s chunk by chunk, each flushed; an accumulate issues every
+  chunk to every owner, then ``Flush``es each owner; a read ``Rget``s
+  pieces of at most 1 MiB, two in flight per owner, from all owners at once
+  (:meth:`RemoteMemory._get_windowed` says why). When an operation returns,
+  its data is in the region (or in the reader's buffer). No rank
   takes a lock on the window per operation. That matters: MPICH grants a
   passive-target lock (``Win.Lock``, or ``Lock_all`` without ``NOCHECK``)
   only when the owner enters MPI, so an owner busy computing delays every
@@ -193,8 +193,6 @@ class RemoteMemory:
             spec, target = [part, self._mpi_type], (disp + lo, len(part), self._mpi_type)
             if op == "put":
                 self._win.Put(spec, owner, target)
-            elif op == "get":
-                self._win.Get(spec, owner, target)
             else:
                 self._win.Accumulate(spec, owner, target, MPI.SUM)
             if flush:
