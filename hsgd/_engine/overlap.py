@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import threading
 import time
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -81,6 +80,7 @@ import torch
 from mpi4py import MPI
 
 from ..intra_node import _aligned
+from .waits import Backoff
 
 __all__ = ["Bucket", "plan_buckets", "BackwardOverlap", "FIRST_BUCKET_MB"]
 
@@ -252,7 +252,7 @@ class _Pipeline:
 
     def advance(self, block: bool) -> None:
         """Run every stage the board allows, in bucket order; with ``block``, until all are done."""
-        n, spins, waiting_since = len(self.buckets), 0, None
+        n, backoff, waiting_since = len(self.buckets), Backoff(), None
         while self._next[-1] < n:
             moved = False
             for k, stage in enumerate(self.stages):
@@ -269,8 +269,7 @@ class _Pipeline:
                     continue
                 waiting_since = waiting_since or time.perf_counter()
                 # another local rank is still in backward: give it the core (ranks may share one)
-                os.sched_yield() if spins < 100 else time.sleep(50e-6)
-                spins += 1
+                backoff.idle()
         if waiting_since is not None:
             self.averager.report("intra", waiting_since, time.perf_counter())
 

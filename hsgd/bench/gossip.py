@@ -96,9 +96,10 @@ def run(args, extra) -> Result:
     reference = next(epochs for name, epochs, _, _ in runs if name == "gossip theta=0")
     every_step = sum(e["intra_bytes"] + e["inter_bytes"] for e in reference)
     every_step_s = sum(e["seconds"] for e in reference)
-    floor = next(((sum(e["seconds"] for e in epochs), crossed) for name, epochs, _, crossed in runs
-                  if name == FLOOR), None)
-    wire = floor is not None
+    wire = any(name == FLOOR for name, *_ in runs)
+    if wire:
+        floor_s, floor_crossed = next((sum(e["seconds"] for e in epochs), crossed)
+                                      for name, epochs, _, crossed in runs if name == FLOOR)
     table = Table(COLUMNS + (WIRE_COLUMNS if wire else ()),
                   title=f"{setting}, {args.epochs} epochs, MNIST-1D, graph {args.graph} {' '.join(extra)}")
     table.notes = ["train s: the epoch records' seconds summed (training and evaluation); wall s: the whole "
@@ -120,8 +121,8 @@ def run(args, extra) -> Result:
         record = {"run": name, "intra_bytes": intra, "inter_bytes": inter, "seconds": seconds,
                   "train_seconds": train_s, "final_test_acc": final, "best_test_acc": best, "epochs": epochs}
         if wire:
-            beyond = [tuple(max(0, a - b) for a, b in zip(run, base)) for run, base in zip(crossed, floor[1])]
-            limit = wire_limit(beyond, link_rates(args), floor[0], 1)
+            beyond = [tuple(max(0, a - b) for a, b in zip(run, base)) for run, base in zip(crossed, floor_crossed)]
+            limit = wire_limit(beyond, link_rates(args), floor_s, 1)
             busiest = max(max(pair) for pair in crossed)
             row += [f"{busiest / 1e6:.1f}", "-" if limit is None else f"{limit:.1f}",
                     "-" if limit is None else f"{limit / train_s:.0%}"]
