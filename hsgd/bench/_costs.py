@@ -40,7 +40,7 @@ while the on-node hops run beside it), ``alpha_m + b / B_m`` on one node::
                 (the larger of the two when both happen)
     box       = 2 (N c alpha + k (N-1)/N nbytes / min(S, B))  # alpha_m, B_m on one node
                 # AsyncSGD: accumulate, then read, the whole model; N owners (the
-                # leaders) each hold nbytes/N in c = ceil(nbytes / N / 4 MiB) chunks;
+                # leaders) each hold nbytes/N in c = ceil(nbytes / N / 1 MiB) chunks;
                 # out of a NIC go its k ranks' accumulates into the N-1 other owners
                 # and its owner's answers to the (N-1) k other ranks' reads:
                 # 2 k (N-1)/N nbytes, and as much comes in (ranks on the owner's
@@ -80,7 +80,7 @@ __all__ = ["Machine", "STRATEGIES", "ring", "level1", "flat_ring", "leader", "sh
 
 #: RemoteMemory's transfer chunk (``hsgd.remote.memory.DEFAULT_CHUNK_BYTES``, which imports MPI:
 #: a unit test checks the two agree).
-BOX_CHUNK_BYTES = 4 << 20
+BOX_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
