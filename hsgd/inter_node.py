@@ -146,7 +146,7 @@ class _Strategy:
 
     def start_allreduce(self, tensor: torch.Tensor) -> Pending:
         """:meth:`_allreduce` without waiting: each chunk's non-blocking sum (``Iallreduce``, or
-        ``Ireduce_scatter`` then ``Iallgatherv``), one step after another, in the same order on
+        ``Ialltoallv`` then ``Iallgatherv``), one step after another, in the same order on
         every rank of ``comm``; ``tensor`` holds the sums once the returned :class:`Pending` is
         done."""
         parts, steps = self._chunks(tensor), []

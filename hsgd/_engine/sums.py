@@ -7,12 +7,22 @@ power of two, but MPICH folds other counts onto the nearest power of two:
 the extra parties send their whole buffer to a partner and get the whole
 result back. Across three emulated hosts at 1 Gbit/s (``python -m hsgd.hosts
 run --hosts 3``, one rank each, TCP) a 16 MB ``MPI_Allreduce`` took 476-533 ms
-where the ring's wire limit is 186 ms; ``MPI_Reduce_scatter_block`` then
-``MPI_Allgather`` of the same buffer took 193-215 ms, and at 4 MB 46-47 ms
-against a 46.6 ms limit. So for ``p`` not a power of two the sum is a
-reduce-scatter into a scratch block of about ``n / p`` elements, then an
-allgather back into the buffer: the same bytes as a ring, whatever
-algorithm the MPI picks for each half.
+where the ring's wire limit is 186 ms;
+``MPI_Reduce_scatter_block`` then ``MPI_Allgather`` of the same buffer took
+193-215 ms, and at 4 MB 46-47 ms against a 46.6 ms limit. So for ``p`` not
+a power of two the sum is a reduce-scatter into a scratch block of about
+``n / p`` elements, then an allgather back into the buffer: the same bytes
+as a ring.
+
+The reduce-scatter is not ``MPI_Reduce_scatter`` either: below 512 KiB
+MPICH reduces-scatters by recursive halving, which folds again (3 hosts at
+100 Mbit/s, 500 KB: 110 ms against the ring's 56; 530 KB: 59 ms, where it
+switches to a pairwise exchange). So every party sends each other party its
+block (``MPI_Alltoallv``: the ring's bytes, ``(p-1)/p`` of the buffer) and
+reduces the ``p`` blocks it received in rank order (``MPI_Reduce_local``,
+which applies the 16-bit codecs' operations too), which took 55.6 ms at
+500 KB and 46.2 ms for 4 MiB at 1 Gbit/s (the ring's 46.6). The price is a
+scratch buffer of the buffer's size (the sums go in chunks of at most 4 MiB).
 
 :func:`sum_` blocks; :func:`start_sum` returns the steps as functions
 ``() -> request``, to be started one after another (the second needs the
@@ -51,6 +61,26 @@ def _spec(array: np.ndarray, mpi_type: Optional[MPI.Datatype], *layout):
     return [array, *layout, MPI._typedict[array.dtype.char] if mpi_type is None else mpi_type]
 
 
+def _exchange(comm, array, mpi_type, counts, offsets):
+    """The reduce-scatter's exchange: party ``j`` gets every party's block ``j`` (``MPI_Alltoallv``
+    into ``received``, ``p`` blocks of this rank's count); returns ``received`` and the layouts."""
+    p, me = comm.Get_size(), comm.Get_rank()
+    received = np.empty(p * counts[me], dtype=array.dtype)
+    into = ([counts[me]] * p, [j * counts[me] for j in range(p)])
+    return received, _spec(array, mpi_type, counts, offsets), _spec(received, mpi_type, *into)
+
+
+def _reduce_blocks(comm, received: np.ndarray, block: np.ndarray, op, mpi_type) -> None:
+    """Sum the ``p`` blocks of ``received`` into ``block`` with ``op``, in rank order
+    (``MPI_Reduce_local``, which applies user-defined operations, the 16-bit codecs' too)."""
+    if block.size == 0:
+        return
+    parts = received.reshape(comm.Get_size(), block.size)
+    block[:] = parts[0]
+    for part in parts[1:]:
+        op.Reduce_local(_spec(part, mpi_type), _spec(block, mpi_type))
+
+
 def sum_(comm, array: np.ndarray, op=MPI.SUM, mpi_type: Optional[MPI.Datatype] = None) -> None:
     """Sum ``array`` (contiguous) over ``comm`` in place with ``op``; ``mpi_type``: the MPI type of
     its elements when numpy's is not it (16-bit floats travel as ``MPI.INT16_T``)."""
@@ -58,7 +88,9 @@ def sum_(comm, array: np.ndarray, op=MPI.SUM, mpi_type: Optional[MPI.Datatype] =
         comm.Allreduce(MPI.IN_PLACE, _spec(array, mpi_type), op=op)
         return
     counts, offsets, block = _blocks(comm, array)
-    comm.Reduce_scatter(_spec(array, mpi_type), _spec(block, mpi_type), counts, op=op)
+    received, send, recv = _exchange(comm, array, mpi_type, counts, offsets)
+    comm.Alltoallv(send, recv)
+    _reduce_blocks(comm, received, block, op, mpi_type)
     comm.Allgatherv(_spec(block, mpi_type), _spec(array, mpi_type, counts, offsets))
 
 
@@ -69,5 +101,9 @@ def start_sum(comm, array: np.ndarray, op=MPI.SUM,
     if not splits(comm):
         return [lambda: comm.Iallreduce(MPI.IN_PLACE, _spec(array, mpi_type), op=op)]
     counts, offsets, block = _blocks(comm, array)
-    return [lambda: comm.Ireduce_scatter(_spec(array, mpi_type), _spec(block, mpi_type), counts, op=op),
-            lambda: comm.Iallgatherv(_spec(block, mpi_type), _spec(array, mpi_type, counts, offsets))]
+    received, send, recv = _exchange(comm, array, mpi_type, counts, offsets)
+
+    def gather() -> MPI.Request:
+        _reduce_blocks(comm, received, block, op, mpi_type)
+        return comm.Iallgatherv(_spec(block, mpi_type), _spec(array, mpi_type, counts, offsets))
+    return [lambda: comm.Ialltoallv(send, recv), gather]
