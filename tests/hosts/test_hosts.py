@@ -94,11 +94,12 @@ def test_a_killed_owner_leaves_nothing_behind(emulated_hosts):
     """The owner (a test process killed by a timeout, say) dies with SIGKILL: its guard removes
     the hosts and whatever ran on them."""
     emulated_hosts()
+    marker = f"300.{os.getpid()}"  # a sleep of this test's own: another `sleep 300` on the machine is not ours
     owner = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
         "from hsgd.hosts import EmulatedHosts\n"
         "hosts = EmulatedHosts(2)\n"
-        "subprocess.Popen(hosts.exec_command(0, ['sleep', '300']))\n"
+        f"subprocess.Popen(hosts.exec_command(0, ['sleep', '{marker}']))\n"
         "print(hosts.id, flush=True)\n"
         "time.sleep(300)\n")], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     run_id = owner.stdout.readline().strip()
@@ -110,7 +111,7 @@ def test_a_killed_owner_leaves_nothing_behind(emulated_hosts):
         time.sleep(0.1)
     assert not _gone(run_id)
     assert not [p for p in Path("/proc").glob("[0-9]*/cmdline")
-                if p.exists() and b"sleep\x00300" in p.read_bytes()]
+                if p.exists() and b"sleep\x00" + marker.encode() in p.read_bytes()]
 
 
 def test_without_root_the_command_says_why(tmp_path):
