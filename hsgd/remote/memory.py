@@ -48,7 +48,7 @@ How it works, and why so:
   single multi-hundred-megabyte RMA operations stall on some MPIs, and
   across hosts over TCP (MPICH, UCX) accumulates of 4 MiB chunks ran below
   the wire rate where those of 1 MiB did not (16 MB from each of 3 hosts
-  into the other two, 1 Gbit/s: 123-130 ms against 92-93, the wire 89).
+  into the other two, 1 Gbit/s: 123-130 ms against 91-93, the wire 89).
 - Across hosts, an owner that runs no MPI calls still serves operations when
   the network does RMA in hardware (InfiniBand, RoCE, Slingshot through UCX
   or libfabric). Over plain TCP the owner's MPI library moves the data, so
@@ -215,14 +215,14 @@ class RemoteMemory:
         their time on the link (:class:`~hsgd.remote.pacing.Pacer`: 0.5 ms, at least 64 KiB), so the
         queue drains in a few milliseconds on a slow link as on a fast one."""
         inflight: Dict[int, Deque[Tuple[MPI.Request, int]]] = {owner: deque() for owner in queues}
-        began = time.monotonic()
-        for owner in queues:
-            self._pacer(owner).begin(began)
+        pacers, began = {owner: self._pacer(owner) for owner in queues}, time.monotonic()
+        for pacer in pacers.values():
+            pacer.begin(began)
         backoff = Backoff()
         while any(queues.values()) or any(inflight.values()):
             moved = False
             for owner, queue in queues.items():
-                pending, pacer = inflight[owner], self._pacer(owner)
+                pending, pacer = inflight[owner], pacers[owner]
                 while pending and pending[0][0].Test():
                     pacer.arrived(pending.popleft()[1], time.monotonic())
                     moved = True
