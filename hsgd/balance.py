@@ -47,8 +47,8 @@ import statistics
 import time
 from typing import Callable, List, Optional, Sequence
 
-from ._engine.agree import agree
-from ._engine.checks import check_int
+from ._core.agree import agree
+from ._core.checks import check_int
 from .errors import InputError, InputValueError
 
 __all__ = ["LoadBalancer", "balanced_shares"]

@@ -36,7 +36,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from ._engine.agree import collective_error
+from ._core.agree import collective_error
 from .errors import InputError, InputTypeError, InputValueError
 
 __all__ = ["rank", "size", "local_rank", "local_size", "barrier", "allreduce", "allreduce_", "allgather",

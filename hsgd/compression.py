@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 
-from ._engine.checks import check_choice
-from ._engine.traffic import allreduce_bytes
+from ._core.checks import check_choice
+from ._core.traffic import allreduce_bytes
 
 __all__ = ["COMPRESSIONS", "HalfCodec", "make_codec"]
 
@@ -69,7 +69,7 @@ class HalfCodec:
         if self._wire is None or self._wire.numel() < n:
             self._wire = torch.empty(n, dtype=self.dtype)
         wire = self._wire[:n]
-        from ._engine.sums import sum_
+        from ._transport.sums import sum_
 
         finish = self._to_wire(tensor, wire, parties)
         sum_(comm, wire.view(torch.int16).numpy(), self._op, MPI.INT16_T)
@@ -78,12 +78,12 @@ class HalfCodec:
 
     def start_allreduce(self, comm, tensor: torch.Tensor) -> list:
         """:meth:`allreduce_` without waiting, on a wire buffer of its own: the steps of
-        :func:`hsgd._engine.sums.start_sum`, each ``() -> (request, finish or None)`` to start
+        :func:`hsgd._transport.sums.start_sum`, each ``() -> (request, finish or None)`` to start
         once the one before it completed; the first also fills the wire buffer, the last's
         ``finish`` casts the sums back into ``tensor``."""
         from mpi4py import MPI
 
-        from ._engine.sums import start_sum
+        from ._transport.sums import start_sum
 
         parties = comm.Get_size()
         wire = torch.empty(tensor.numel(), dtype=self.dtype)

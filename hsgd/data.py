@@ -37,8 +37,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ._engine.agree import agree
-from ._engine.checks import check_int
+from ._core.agree import agree
+from ._core.checks import check_int
 from ._io.data_checks import check_file
 from ._io.h5write import write_dataset, write_pairs
 from ._io.loader_setup import list_datasets, loader_block_size

@@ -6,7 +6,7 @@ which is also the built-in exception a caller would expect
 ValueError`` keeps working. The distinction matters in a multi-rank program:
 
 - an :class:`InputError` is *expected*: hsgd agrees on it over the ranks
-  (:mod:`hsgd._engine.agree`), every rank raises the same one, and the trainer
+  (:mod:`hsgd._core.agree`), every rank raises the same one, and the trainer
   prints it as one ``error:`` line and exits with status 2;
 - any other exception is a bug (in hsgd, torch, or the user's model code):
   it keeps its traceback and the job is aborted, since it may have happened
@@ -47,6 +47,6 @@ class InputPermissionError(InputError, PermissionError):
     """A file or directory the caller named cannot be read or written."""
 
 
-# For re-raising a rank's error on every rank by name (hsgd._engine.agree).
+# For re-raising a rank's error on every rank by name (hsgd._core.agree).
 BY_NAME = {cls.__name__: cls for cls in (InputValueError, InputTypeError,
                                          InputFileNotFoundError, InputPermissionError)}

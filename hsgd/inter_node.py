@@ -21,7 +21,7 @@ give the exact global mean. A buffer crosses in sums of at most
 8 MB ``MPI_Allreduce`` between the leaders took 80.6 ms and two of 4 MB
 66.8 ms (the wire limit is 64 ms); with one rank per host both took 67 ms.
 Each sum is an ``MPI_Allreduce`` or, for a node count above 2 that is not a
-power of two, a reduce-scatter then an allgather (:mod:`hsgd._engine.sums`:
+power of two, a reduce-scatter then an allgather (:mod:`hsgd._transport.sums`:
 MPICH's allreduce took 2.5x the wire limit across 3 hosts). With
 ``compression`` (``"fp16"``, ``"bf16"``, :mod:`hsgd.compression`) the sums
 cross nodes in 16 bits.
@@ -43,9 +43,9 @@ from typing import Optional
 
 import torch
 
-from ._engine.checks import check_choice
-from ._engine.sums import start_sum, sum_
-from ._engine.traffic import allreduce_bytes
+from ._core.checks import check_choice
+from ._core.traffic import allreduce_bytes
+from ._transport.sums import start_sum, sum_
 from .compression import make_codec
 from .errors import InputValueError
 
@@ -62,7 +62,7 @@ class Pending:
     moves them on and says whether all are done, ``wait()`` blocks until they are; ``sent``:
     the bytes this rank sends. Each step is a ``fn() -> (request, finish or None)``, started
     when the one before it completed (a chunk's sum is one or two steps,
-    :mod:`hsgd._engine.sums`): on a link the chunks share the wire anyway, and one at a
+    :mod:`hsgd._transport.sums`): on a link the chunks share the wire anyway, and one at a
     time each crosses at the link rate, the first done soonest."""
 
     def __init__(self, chunks, sent: int):

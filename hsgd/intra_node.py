@@ -163,7 +163,7 @@ class SharedSlots:
         add the other slots into it (``reduce``), scale it, copy it to the
         other slots (``spread``). ``span``: ``(segment, lo, hi)``, only those
         elements (a bucket); default every segment whole. Returns the bytes
-        copied between slots (see :mod:`hsgd._engine.traffic`)."""
+        copied between slots (see :mod:`hsgd._core.traffic`)."""
         moved = 0
         spans = [(seg, None) for seg in range(len(self.layout.dtypes))] if span is None \
             else [(span[0], span[1:])]

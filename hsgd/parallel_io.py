@@ -63,8 +63,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from ._engine.agree import agree, check_all
-from ._engine.checks import check_int, check_shares
+from ._core.agree import agree, check_all
+from ._core.checks import check_int, check_shares
 from ._io.loader_setup import check_settings_agree, loader_block_size, open_checked, scan_labels
 from ._io.plan import EpochPlan, default_block_size, plan_epoch, rank_range, shard_range
 from ._io.prefetch import Prefetcher, iter_windows

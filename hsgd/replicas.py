@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ._engine.agree import agree, check_all, collective_error
+from ._core.agree import agree, check_all, collective_error
 from .errors import InputTypeError, InputValueError
 
 __all__ = ["check_same_model", "broadcast_parameters", "average_buffers", "averaged_state_dict",

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 from mpi4py import MPI
 
-from ._engine.agree import agree, collective_error
+from ._core.agree import agree, collective_error
 from .errors import InputValueError
 from .faults.leftovers import unlink_mpi_files
 

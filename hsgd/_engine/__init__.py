@@ -1,3 +1,2 @@
-"""Private pieces that every synchronization mode shares: error agreement,
-argument checks, the binding of tensors to shared memory, the mode base class
-and traffic counters."""
+"""Private pieces of the synchronization modes: the mode base class, the binding of tensors to
+a slot, and the averaging of gradient buckets during backward."""

@@ -45,8 +45,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
+from .._core.agree import collective_error
 from ..errors import InputTypeError
-from .agree import collective_error
 
 __all__ = ["SlotBinding", "FlatSlot"]
 

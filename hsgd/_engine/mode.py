@@ -43,6 +43,8 @@ from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._core.agree import agree, collective_error
+from .._core.checks import check_choice, check_shares
 from ..compression import COMPRESSIONS
 from ..errors import InputError, InputTypeError, InputValueError
 from ..faults import protect
@@ -51,10 +53,7 @@ from ..inter_node import STRATEGIES
 from ..intra_node import Layout
 from ..replicas import averaged_state_dict, broadcast_optimizer_state, broadcast_parameters, check_same_model
 from ..topology import Topology
-from .agree import agree, collective_error
-from .averager import HierarchicalAverager
 from .binding import SlotBinding
-from .checks import check_choice, check_shares
 from .named import model_of
 
 __all__ = ["SyncMode", "collective"]
@@ -200,6 +199,7 @@ class SyncMode(torch.optim.Optimizer):
     def _build(self, params, inter_node) -> None:
         """Build what keeps the replicas in step (collective). The default: a shared window
         with two-level averaging (:class:`HierarchicalAverager`), ``params`` bound to its slot."""
+        from ..hierarchical.averager import HierarchicalAverager  # the next commit gives it its own engine
         self.averager = HierarchicalAverager(self.topology, self._layout(params), inter_node, self.compression)
         try:
             self._binding = SlotBinding(self.averager, params, self.bind, flags=self.bind == "grad")

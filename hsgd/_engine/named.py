@@ -15,8 +15,8 @@ from typing import Iterable, List, Tuple
 
 import torch
 
+from .._core.agree import check_all
 from ..errors import InputTypeError, InputValueError
-from .agree import check_all
 
 __all__ = ["NamedParameters", "model_of"]
 

@@ -24,7 +24,7 @@ a bucket:
   and says so (``CROSSED``); then each rank spreads its slice.
 
 The inter-node allreduce runs in the background (non-blocking sums,
-:func:`hsgd._engine.sums.start_sum`, in chunks of at most
+:func:`hsgd._transport.sums.start_sum`, in chunks of at most
 :data:`hsgd.inter_node.CHUNK_BYTES`, one bucket on the wire at a time):
 backward and the reduction of the next buckets go on while bucket i crosses.
 Over TCP a non-blocking allreduce moves only while its rank is inside MPI, so
@@ -79,8 +79,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .._core.waits import Backoff
 from ..intra_node import _aligned
-from .waits import Backoff
 
 __all__ = ["Bucket", "plan_buckets", "BackwardOverlap", "FIRST_BUCKET_MB"]
 
@@ -291,7 +291,7 @@ class BackwardOverlap:
     """Hooks that average ``binding``'s gradients bucket by bucket during backward.
 
     Args:
-        averager: the :class:`~hsgd._engine.averager.HierarchicalAverager` of the slot.
+        averager: the :class:`~hsgd.hierarchical.averager.HierarchicalAverager` of the slot.
         binding: the :class:`~hsgd._engine.binding.SlotBinding` of the gradients (with flags).
         bucket_cap_mb: the size of every bucket but the first.
         passes: backward passes per averaging (``backward_passes_per_step``).

@@ -3,7 +3,7 @@
 Each check raises ``ValueError`` (``FileNotFoundError`` for a missing file)
 with a message that names the data set and says what to change. They are
 local and cheap; callers that run on several ranks wrap them in
-:func:`hsgd._engine.agree.check_all` so that every rank raises the same error.
+:func:`hsgd._core.agree.check_all` so that every rank raises the same error.
 """
 
 from __future__ import annotations

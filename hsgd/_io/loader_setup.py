@@ -15,8 +15,8 @@ import math
 import h5py
 import numpy as np
 
-from .._engine.agree import agree
-from .._engine.checks import check_int
+from .._core.agree import agree
+from .._core.checks import check_int
 from ..errors import InputValueError
 from .data_checks import check_file, check_labels_nonnegative, check_lengths, check_x_dtype, check_y, missing_key_error
 from .h5source import H5Source

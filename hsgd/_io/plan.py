@@ -46,7 +46,7 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
-from .._engine.checks import check_int, check_shares
+from .._core.checks import check_int, check_shares
 from ..errors import InputValueError
 
 __all__ = ["EpochPlan", "plan_epoch", "rank_range", "shard_range",

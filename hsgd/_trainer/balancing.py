@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .._engine.agree import collective_error
+from .._core.agree import collective_error
 from ..balance import LoadBalancer
 from ..errors import InputValueError
 

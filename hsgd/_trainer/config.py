@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, get_type_hints
 
-from .._engine.agree import collective_error
+from .._core.agree import collective_error
 from ..compression import COMPRESSIONS
 from ..errors import InputValueError
 from ..gossip.graphs import GRAPHS

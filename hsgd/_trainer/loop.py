@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from mpi4py import MPI
 
-from .._engine.agree import agree, collective_error, on_root
+from .._core.agree import agree, collective_error, on_root
 from ..errors import InputError, InputValueError
 from .balancing import Balancing
 from .checkpoint import save_checkpoint

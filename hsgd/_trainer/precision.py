@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .._engine.agree import collective_error
+from .._core.agree import collective_error
 from ..amp import check_autocast
 from ..errors import InputValueError
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 
-from .._engine.agree import check_all, collective_error, on_root
+from .._core.agree import check_all, collective_error, on_root
 from ..errors import InputPermissionError, InputValueError
 from ..modes import SYNC_MODES
 from ..parallel_io import ContiguousH5Loader

@@ -2,7 +2,7 @@
 
 Data preparation, optimizer and schedule construction, sharded evaluation,
 and checkpoint state in and out. Every function that can fail because of the
-user's input raises on every rank the same way (through :func:`hsgd._engine.agree.agree`),
+user's input raises on every rank the same way (through :func:`hsgd._core.agree.agree`),
 so the trainer can print one message from rank 0 and exit.
 """
 
@@ -19,7 +19,7 @@ import h5py
 import torch
 from mpi4py import MPI
 
-from .._engine.agree import check_all, on_root
+from .._core.agree import check_all, on_root
 from ..data import ensure_mnist1d
 from ..errors import InputValueError
 from ..lars import LARS

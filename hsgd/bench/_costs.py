@@ -11,7 +11,7 @@ a :class:`Machine`:
   (MPI's shared-memory transport; default: the network's figures);
 - ``alpha_s``, ``B_s``: hsgd's level 1 in the shared window: the latency of
   one round of a fence's barrier, and the rate at which one rank copies
-  between slots (bytes as :mod:`hsgd._engine.traffic` counts ``intra_bytes``);
+  between slots (bytes as :mod:`hsgd._core.traffic` counts ``intra_bytes``);
 - optional caps: ``S``, what one rank can drive through the NIC
   (``stream_bandwidth``, default ``B``), and ``M``, the node's memory
   bandwidth shared by its ``k`` ranks in level 1 (default: no cap).
@@ -21,7 +21,7 @@ message between two ranks of one node costs ``alpha_m + bytes / B_m``
 whatever the other ranks of the node do (memory contention is modelled
 only in level 1, by ``M``). The formulas, with ``ring(b, P, r) = 2 (P-1) alpha + 2 (P-1)/P *
 b / r`` (the bandwidth-optimal reduce-scatter + allgather, whose bytes
-:func:`hsgd._engine.traffic.allreduce_bytes` counts) and ``hop(b)`` one
+:func:`hsgd._core.traffic.allreduce_bytes` counts) and ``hop(b)`` one
 ring step: ``max(alpha + b / min(S, B), alpha_m + b / B_m)`` across nodes
 (ranks placed in blocks of ``k``: one stream per NIC crosses the network
 while the on-node hops run beside it), ``alpha_m + b / B_m`` on one node::
@@ -73,7 +73,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Optional
 
-from .._engine.traffic import allreduce_bytes
+from .._core.traffic import allreduce_bytes
 
 __all__ = ["Machine", "STRATEGIES", "ring", "level1", "flat_ring", "leader", "sharded", "gossip", "box",
            "predict", "bytes_per_rank", "BOX_CHUNK_BYTES"]
@@ -201,7 +201,7 @@ def predict(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) ->
 
 def bytes_per_rank(strategy: str, nbytes: int, nodes: int, ranks_per_node: int) -> Dict[str, int]:
     """Rank 0's ``intra_bytes`` and ``inter_bytes`` for one average, as hsgd's
-    :class:`~hsgd._engine.traffic.Traffic` counts them (``leader`` and ``sharded``;
+    :class:`~hsgd._core.traffic.Traffic` counts them (``leader`` and ``sharded``;
     ``nbytes`` divisible by ``16 k`` elements, so the slices are equal)."""
     k = ranks_per_node
     intra = 2 * (k - 1) * nbytes // k

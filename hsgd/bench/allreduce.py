@@ -119,7 +119,7 @@ def _bandwidth(n, repeats):
 def hsgd_times(comm, n, args, ranks_per_node=None, inter_node="leader", compression=None):
     """Every timed repeat's slowest-rank seconds of one hsgd average of ``n`` float32 over ``comm``
     (the buffer is the rank's slot), with virtual nodes of ``ranks_per_node`` (None: physical), and
-    this rank's traffic per average (:mod:`hsgd._engine.traffic`). Collective."""
+    this rank's traffic per average (:mod:`hsgd._core.traffic`). Collective."""
     import torch
 
     from hsgd import Topology

@@ -30,7 +30,7 @@ MPI Allreduce (the flat ring) and hsgd's average with ``leader`` and
 ``sharded`` on 1 node x 2 and x 4 ranks and on 2 virtual nodes x 1 and x 2
 ranks, at ``--validate-sizes`` floats, and prints each beside the model's
 prediction for this machine (the network, too, is the MPI fit) with the relative
-error, and whether the bytes hsgd counted (:mod:`hsgd._engine.traffic`)
+error, and whether the bytes hsgd counted (:mod:`hsgd._core.traffic`)
 are the model's. With 4 ranks on a 2-core machine the ranks share cores,
 which the model does not know.
 
@@ -425,7 +425,7 @@ def _ring_times(comm, n, args):
     """Every repeat's slowest-rank seconds of a ring allreduce of ``n`` float32 (the model's
     flat ring: p-1 steps of reduce-scatter, p-1 of allgather, each a ``Sendrecv`` of about
     ``n / p`` to the next rank). ``MPI_Allreduce`` is not one: MPICH folds a party count that
-    is not a power of two onto one that is (:mod:`hsgd._engine.sums`). Collective."""
+    is not a power of two onto one that is (:mod:`hsgd._transport.sums`). Collective."""
     from .allreduce import _timed
 
     p, rank = comm.Get_size(), comm.Get_rank()

@@ -56,7 +56,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .._engine.agree import collective_error
+from .._core.agree import collective_error
 from ..errors import InputValueError
 from .abort import flush_to_launcher
 

@@ -22,7 +22,7 @@ waits for one small message from a peer that is, by construction, in the
 same round, never for a sender's decision, and no deadlock is possible.
 
 Messages are MPI point-to-point (``Isend``/``Irecv``), waited for without
-holding the core (:func:`hsgd._engine.waits.wait_all`: ranks that share cores
+holding the core (:func:`hsgd._core.waits.wait_all`: ranks that share cores
 with each other or with the TCP stack would otherwise take the cycles the
 transfer needs); between ranks on one node MPICH and Open MPI carry them
 through shared memory. The traffic
@@ -54,11 +54,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .._core.checks import check_choice, check_int
+from .._core.traffic import Traffic
+from .._core.waits import wait_all
 from .._engine.binding import FlatSlot, SlotBinding
-from .._engine.checks import check_choice, check_int
 from .._engine.mode import SyncMode, collective
-from .._engine.traffic import Traffic
-from .._engine.waits import wait_all
 from ..errors import InputValueError
 from .graphs import GRAPHS, make_graph
 

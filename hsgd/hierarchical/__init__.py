@@ -3,7 +3,7 @@ across nodes. :class:`HierarchicalSGD` averages gradients every step
 (synchronous SGD); :class:`HierarchicalLocalSGD` takes local steps and
 averages parameters periodically; both run on :class:`HierarchicalAverager`."""
 
-from .._engine.averager import HierarchicalAverager
+from .averager import HierarchicalAverager
 from .local_sgd import HierarchicalLocalSGD
 from .synchronous import HierarchicalSGD
 

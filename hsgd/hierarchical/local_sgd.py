@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .._engine.checks import check_int
+from .._core.checks import check_int
 from .._engine.mode import SyncMode
 
 __all__ = ["HierarchicalLocalSGD"]

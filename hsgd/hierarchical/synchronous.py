@@ -57,8 +57,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._engine.agree import collective_error
-from .._engine.checks import check_int
+from .._core.agree import collective_error
+from .._core.checks import check_int
 from .._engine.mode import SyncMode
 from .._engine.overlap import BackwardOverlap
 from ..errors import InputTypeError, InputValueError

@@ -40,8 +40,8 @@ from typing import List
 
 import torch
 
+from .._core.checks import check_int
 from .._engine.binding import FlatSlot, SlotBinding
-from .._engine.checks import check_int
 from .._engine.mode import SyncMode, collective
 from ..errors import InputValueError
 from .memory import RemoteMemory

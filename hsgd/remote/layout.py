@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._engine.agree import agree, collective_error
-from .._engine.checks import check_int
+from .._core.agree import agree, collective_error
+from .._core.checks import check_int
 from ..errors import InputError, InputTypeError, InputValueError
 from ..topology import Topology
 

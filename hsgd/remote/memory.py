@@ -79,8 +79,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._engine.traffic import Traffic
-from .._engine.waits import Backoff
+from .._core.traffic import Traffic
+from .._core.waits import Backoff
 from ..topology import Topology
 from .control import ControlWords
 from .layout import DTYPES, agree_owners, pieces, shard_bounds

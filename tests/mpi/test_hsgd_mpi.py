@@ -11,7 +11,7 @@ from _models import LAYOUTS, expected_nodes, fixed_batch, mlp, shard
 from _sgd import OPTIMIZERS, Branchy, assert_params_close, check_binding, reference
 
 from hsgd import HierarchicalLocalSGD, HierarchicalSGD, Topology, broadcast_parameters
-from hsgd._engine.traffic import allreduce_bytes
+from hsgd._core.traffic import allreduce_bytes
 from hsgd.replicas import average_buffers
 
 STEPS = 10

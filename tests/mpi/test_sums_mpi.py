@@ -1,4 +1,4 @@
-"""hsgd._engine.sums: the in-place sums of level 2, blocking and in steps, at every party count.
+"""hsgd._transport.sums: the in-place sums of level 2, blocking and in steps, at every party count.
 
 At 3 ranks (and any count that is not a power of two) they go as a reduce-scatter then an
 allgather; elsewhere as one allreduce. Either way every rank ends with the exact sums.
@@ -9,7 +9,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hsgd._engine.sums import splits, start_sum, sum_
+from hsgd._transport.sums import splits, start_sum, sum_
 from hsgd.compression import HalfCodec
 
 COMM = MPI.COMM_WORLD

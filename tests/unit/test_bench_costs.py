@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from hsgd._engine.traffic import allreduce_bytes
+from hsgd._core.traffic import allreduce_bytes
 from hsgd.bench import _costs
 from hsgd.remote.memory import DEFAULT_CHUNK_BYTES
 

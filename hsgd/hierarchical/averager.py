@@ -36,10 +36,10 @@ import time
 
 import torch
 
+from .._core.checks import check_choice
+from .._core.traffic import Traffic
 from ..inter_node import make_inter_node
 from ..intra_node import Layout, SharedSlots
-from .checks import check_choice
-from .traffic import Traffic
 
 __all__ = ["HierarchicalAverager", "LEVELS"]
 
@@ -61,7 +61,7 @@ class HierarchicalAverager:
         # Optional callback(phase, start, end) with perf_counter times, e.g.
         # hsgd._trainer.metrics.PhaseClock.record for the trainer's time breakdown.
         self.on_phase = None
-        self.traffic = Traffic()  # bytes moved by this rank (hsgd._engine.traffic)
+        self.traffic = Traffic()  # bytes moved by this rank (hsgd._core.traffic)
 
     @property
     def inter_node(self) -> str:
