@@ -1,8 +1,8 @@
 """hsgd: hierarchical synchronous SGD for PyTorch over MPI shared memory.
 
 What users import lives here; the synchronization modes by family in
-subpackages (:mod:`hsgd.hierarchical`, :mod:`hsgd.remote`, :mod:`hsgd.gossip`), faults in
-:mod:`hsgd.faults`, private internals in ``hsgd._*``.
+subpackages (:mod:`hsgd.hierarchical`, :mod:`hsgd.box`, :mod:`hsgd.gossip`), remote
+memory in :mod:`hsgd.remote`, faults in :mod:`hsgd.faults`, private internals in ``hsgd._*``.
 
 The names below are loaded on first use (PEP 562), so that ``import hsgd``
 and the commands that need no MPI (``python -m hsgd.report``) do not start
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "SyncMode": "._engine.mode",
     "HierarchicalSGD": ".hierarchical", "HierarchicalLocalSGD": ".hierarchical",
-    "RemoteMemory": ".remote", "ElasticSGD": ".remote", "AsyncSGD": ".remote",
+    "RemoteMemory": ".remote", "ElasticSGD": ".box", "AsyncSGD": ".box",
     "GossipSGD": ".gossip",
     "Topology": ".topology", "ContiguousH5Loader": ".parallel_io", "LoadBalancer": ".balance",
     "LARS": ".lars",

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ._core.closable import Closable
 from .errors import InputTypeError
 
 __all__ = ["Layout", "SharedSlots", "SUPPORTED_DTYPES", "slice_bounds"]
@@ -96,7 +97,15 @@ class Layout:
         self.nbytes = max(total, _ALIGN_BYTES)
 
 
-class SharedSlots:
+    def extent(self, entry: int, numel: int) -> Tuple[int, int]:
+        """``[lo, hi)`` of entry ``entry`` (``numel`` elements) in its segment, up to where the
+        next entry may start (an aligned boundary)."""
+        seg, off = self.places[entry]
+        itemsize = torch.empty((), dtype=self.dtypes[seg]).element_size()
+        return off, off + _aligned(numel * itemsize) // itemsize
+
+
+class SharedSlots(Closable):
     """One shared window per node, one slot (a :class:`Layout`) per local rank.
 
     Collective over ``node_comm`` to build and to :meth:`close`. ``slot(r, s)``
@@ -121,7 +130,7 @@ class SharedSlots:
         except BaseException:
             self.win.Free()
             raise
-        self._closed = False
+        self._opened()
 
     def _map_slot(self, rank: int) -> List[torch.Tensor]:
         buf, _ = self.win.Shared_query(rank)
@@ -145,6 +154,11 @@ class SharedSlots:
         start, stop = (0, self.layout.numels[segment]) if span is None else span
         lo, hi = slice_bounds(stop - start, self.local_size, self.local_rank)
         return start + lo, start + hi
+
+    def sync(self) -> None:
+        """``MPI_Win_sync``: this rank's stores and loads on the window stay in program order
+        against another window's (a flag board beside it)."""
+        self.win.Sync()
 
     def fence(self) -> None:
         """Order all slot stores before this call against all loads after it."""
@@ -197,28 +211,9 @@ class SharedSlots:
         """Slice ``i`` of every slot := ``scale`` * slice ``i`` of slot 0. Returns bytes moved."""
         return self._pass(reduce=False, scale=scale, spread=True, span=span)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("SharedSlots is closed; its shared window was freed")
-
-    def close(self) -> None:
-        """End the lock epoch and free the window. Collective; idempotent.
-
-        Views returned by :meth:`slot` dangle afterwards: copy what you keep.
-        """
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
+    def _close(self) -> None:
+        """End the lock epoch and free the window (collective). Views returned by :meth:`slot`
+        dangle afterwards: copy what you keep."""
         self._slots = []
         self.win.Unlock_all()
         self.win.Free()
-
-    def __enter__(self) -> SharedSlots:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

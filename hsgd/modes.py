@@ -2,8 +2,8 @@
 
 Every mode is a :class:`~hsgd._engine.mode.SyncMode` subclass with a
 ``name``; this table is the one list of them. ``python -m hsgd.train
---sync NAME`` builds ``SYNC_MODES[NAME].from_config(...)`` and never
-branches on the name itself.
+--sync NAME`` builds the mode from its config (:mod:`hsgd._trainer.modes`)
+and never branches on the name itself.
 
 Example::
 
@@ -15,9 +15,9 @@ Example::
 from __future__ import annotations
 
 from ._engine.mode import SyncMode
+from .box import AsyncSGD, ElasticSGD
 from .gossip import GossipSGD
 from .hierarchical import HierarchicalLocalSGD, HierarchicalSGD
-from .remote import AsyncSGD, ElasticSGD
 
 __all__ = ["SYNC_MODES", "SyncMode"]
 

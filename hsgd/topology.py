@@ -26,8 +26,9 @@ from typing import Optional, Tuple
 from mpi4py import MPI
 
 from ._core.agree import agree, collective_error
+from ._core.closable import Closable
+from ._core.leftovers import unlink_mpi_files
 from .errors import InputValueError
-from .faults.leftovers import unlink_mpi_files
 
 __all__ = ["Topology", "ENV_RANKS_PER_NODE", "parse_ranks_per_node"]
 
@@ -58,7 +59,7 @@ def parse_ranks_per_node(value, source: str) -> Optional[int]:
     return value
 
 
-class Topology:
+class Topology(Closable):
     """Communicators and coordinates of this rank in a two-level layout.
 
     Attributes:
@@ -91,7 +92,7 @@ class Topology:
         self.size = comm.Get_size()
         self.local_rank = node_comm.Get_rank()
         self.local_size = node_comm.Get_size()
-        self._closed = False
+        self._opened()
 
     @property
     def num_nodes(self) -> int:
@@ -132,7 +133,7 @@ class Topology:
                 f"ranks disagree on ranks_per_node / {ENV_RANKS_PER_NODE}: "
                 f"{sorted(settings, key=str)}; set the same value on every rank")
         # As early as hsgd runs collectively: MPI's files unlinked once attached, so that a job
-        # that aborts from here on (before any mode is built) leaves nothing (hsgd.faults.leftovers).
+        # that aborts from here on (before any mode is built) leaves nothing (hsgd._core.leftovers).
         unlink_mpi_files(comm)
         return cls._build(comm, rpn)
 
@@ -160,20 +161,11 @@ class Topology:
         return cls(comm, node_comm, leader_comm, node_index, node_sizes, rpn,
                    node_comm.allgather(rank))
 
-    def close(self) -> None:
-        """Free the node and leader communicators. Collective; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> None:
+        """Free the node and leader communicators (collective)."""
         self.node_comm.Free()
         if self.leader_comm is not None:
             self.leader_comm.Free()
-
-    def __enter__(self) -> Topology:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"Topology(rank={self.rank}/{self.size}, node={self.node_index}/"

@@ -14,7 +14,7 @@ Every multi-rank test starts its job through :func:`run_mpi` (or
   removed too (:mod:`leftovers`: new since the job started, an MPI
   transport's name, used by no live process). A job that left something
   fails the test however it ended: hsgd unlinks MPI's files as soon as
-  every rank has attached them (:mod:`hsgd.faults.leftovers`).
+  every rank has attached them (:mod:`hsgd._core.leftovers`).
 """
 
 from __future__ import annotations

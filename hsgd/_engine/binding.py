@@ -187,6 +187,11 @@ class SlotBinding:
                 view.mul_(factor)
         self._versions = [view._version for view in self.views]
 
+    def scale_range(self, segment: int, lo: int, hi: int, factor: float) -> None:
+        """Multiply elements ``[lo, hi)`` of segment ``segment`` of this rank's slot by ``factor``."""
+        with torch.no_grad():
+            self.averager.own(segment)[lo:hi].mul_(factor)
+
     def zero_(self, set_to_none: bool = True) -> None:
         """``set_to_none``: every bound gradient becomes ``None`` (backward then fills the
         slot through :meth:`_into_slot`); else they are zeroed, CPU ones as views into the slot."""

@@ -2,59 +2,53 @@
 
 A mode wraps an inner ``torch.optim`` optimizer (composition, not a
 generated subclass) and keeps the ranks' replicas of one model in step. The
-base class holds what all modes need and checks what all modes take:
+base class is thin: it checks and agrees, wraps, and owns the life cycle;
+the machinery is the family's *engine* (:mod:`hsgd._engine.engine`).
 
-- construction, collective: the common arguments and the mode's own
-  (:meth:`SyncMode._check`) are checked on every rank and agreed on, so a
-  bad value raises the same :class:`~hsgd.errors.InputError` everywhere; the
-  ranks' settings and models must match; parameters and buffers are
-  broadcast from rank 0; the tensors the mode averages (``bind = "grad"`` or
-  ``"data"``) become views into this rank's slot of a shared window
-  (:class:`~hsgd._engine.binding.SlotBinding`);
-- it *is* a ``torch.optim.Optimizer`` (composition inside: ``param_groups``,
-  ``state`` and ``defaults`` are the inner optimizer's own objects), so torch's
-  LR schedulers, ``GradScaler`` and optimizer hooks take the mode itself;
-  ``traffic``, ``close()`` and the context manager;
-- ``step(closure)`` runs the closure, then the mode's :meth:`SyncMode._step`;
-  under ``GradScaler.step()`` (``_step_supports_amp_scaling``) the gradients
-  are unscaled here and a non-finite one skips the inner step, so the scaler
-  never leaves one rank out of a collective ``step()``.
+- construction, collective: the optimizer and model, and the mode's own
+  settings (:meth:`SyncMode._check`), are checked on every rank and agreed
+  on, so a bad value raises the same :class:`~hsgd.errors.InputError`
+  everywhere; the ranks' settings and models must match; parameters and
+  buffers are broadcast from rank 0; then :meth:`SyncMode._make_engine`
+  builds the engine, :attr:`SyncMode.engine`;
+- it *is* a ``torch.optim.Optimizer`` (:class:`~hsgd._engine.optimizer.InnerOptimizer`),
+  so torch's LR schedulers, ``GradScaler`` and optimizer hooks take the mode itself;
+- ``step(closure)`` runs the closure, then the mode's :meth:`SyncMode._step`,
+  watched by the stall inspector; under ``GradScaler.step()``
+  (``_step_supports_amp_scaling``) the gradients are unscaled by the mode and
+  a non-finite one skips the inner step, so the scaler never leaves one rank
+  out of a collective ``step()``;
+- ``traffic``, ``on_phase``, ``close()`` and the context manager go to the engine.
 
-A subclass sets ``name`` (its ``--sync`` choice in the trainer),
-``bind``, ``replicas_differ`` (whether ranks' models differ between
-averagings, so that evaluation and checkpoints must average them),
-``lockstep`` (whether ``step()`` is collective, so that the ranks run in
-step and a caller may add collectives between steps), ``balances``
-(whether its averages weight ranks by :attr:`SyncMode.batch_shares`) and
-``config_fields`` (the trainer's config fields it takes), and implements
-``_check`` and ``_step``. A family with another engine than the shared
-window (the parameter box of :mod:`hsgd.remote`, gossip in
-:mod:`hsgd.gossip`) overrides ``_build``, ``_teardown`` and
-``_route_phases``, and ``shared_state_dict`` / ``load_shared_state_dict``
-(the model the trainer evaluates, saves and resumes). Nothing outside a mode
-branches on its name.
+A subclass sets ``name`` (its ``--sync`` choice in the trainer), whether
+``replicas_differ`` (the ranks' models differ between averagings, so that
+evaluation and checkpoints must average them), ``lockstep`` (``step()`` is
+collective, so a caller may add collectives between steps), ``balances`` (its
+averages weight ranks by :attr:`SyncMode.batch_shares`) and ``finite_guard``
+(:meth:`SyncMode.gradients_finite` tells, the same on every rank, whether the
+averaged gradients are finite), and implements ``_check``, ``_make_engine``
+and ``_step``. Nothing outside a mode branches on its name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections import OrderedDict
-from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, List, Optional, Sequence
 
 import torch
 
-from .._core.agree import agree, collective_error
-from .._core.checks import check_choice, check_shares
-from ..compression import COMPRESSIONS
-from ..errors import InputError, InputTypeError, InputValueError
+from .._core.agree import check_all, collective_error
+from .._core.closable import Closable
+from ..errors import InputTypeError, InputValueError
 from ..faults import protect
 from ..faults.stall import StallInspector
-from ..inter_node import STRATEGIES
-from ..intra_node import Layout
 from ..replicas import averaged_state_dict, broadcast_optimizer_state, broadcast_parameters, check_same_model
 from ..topology import Topology
-from .binding import SlotBinding
+from .engine import Engine
 from .named import model_of
+from .optimizer import InnerOptimizer
+from .weights import BatchShares
 
 __all__ = ["SyncMode", "collective"]
 
@@ -72,7 +66,7 @@ def collective(what: str):
     return wrap
 
 
-def _check_common(optimizer, model, inter_node, compression) -> None:
+def _check_common(optimizer, model) -> None:
     if isinstance(optimizer, SyncMode):
         raise InputTypeError(f"optimizer is already a {type(optimizer).__name__}; wrap the inner "
                              f"torch optimizer (its .optimizer) in one mode only")
@@ -80,8 +74,6 @@ def _check_common(optimizer, model, inter_node, compression) -> None:
         raise InputTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    check_choice("inter_node", inter_node, STRATEGIES)
-    check_choice("compression", "none" if compression is None else compression, COMPRESSIONS)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise InputValueError("LBFGS re-evaluates the closure inside step(); wrap a first-order optimizer")
     trained = {id(p) for p in model.parameters() if p.requires_grad}
@@ -92,7 +84,7 @@ def _check_common(optimizer, model, inter_node, compression) -> None:
                                       "parameter of the model; pass the model whose parameters it trains")
 
 
-class SyncMode(torch.optim.Optimizer):
+class SyncMode(InnerOptimizer, Closable):
     """Base class of the synchronization modes. Construction is collective.
 
     Args:
@@ -104,84 +96,69 @@ class SyncMode(torch.optim.Optimizer):
             optimizer's parameters. Buffers are then neither broadcast nor compared.
         topology: a :class:`~hsgd.Topology`; default ``Topology.from_comm()`` over the
             world (closed by :meth:`close` when built here).
-        inter_node: ``"leader"`` or ``"sharded"`` (see :mod:`hsgd.inter_node`).
-        compression: ``None``, ``"fp16"`` or ``"bf16"``: the inter-node sums in 16 bits
-            (:mod:`hsgd.compression`).
         broadcast: copy parameters and buffers from rank 0 at construction.
-        settings: the subclass's own arguments, checked by :meth:`_check`.
+        settings: the subclass's own arguments, checked by :meth:`_check` and compared
+            across ranks.
         stall_timeout, stall_abort, stall_abort_after: the stall inspector's
             (:mod:`hsgd.faults.stall`): report the ranks missing from a synchronization after
             ``stall_timeout`` seconds (default ``HSGD_STALL_TIMEOUT`` or 60; 0: off, the abort
             included), abort the job after a wait of ``stall_abort_after`` seconds (default
             ``HSGD_STALL_ABORT_AFTER`` or 600; 0: never), or after the first report with
             ``stall_abort`` (default ``HSGD_STALL_ABORT``).
+
+    Attributes:
+        engine: the family's :class:`~hsgd._engine.engine.Engine` (its ``binding``, ``traffic``
+            and, for the hierarchical family, ``averager`` and ``overlap``), for tools and tests.
+        stall: the :class:`~hsgd.faults.stall.StallInspector` that watches this mode's waits.
     """
 
     name: ClassVar[str] = ""
-    bind: ClassVar[str] = "grad"
     replicas_differ: ClassVar[bool] = False
     lockstep: ClassVar[bool] = True
     balances: ClassVar[bool] = False
-    config_fields: ClassVar[Tuple[str, ...]] = ("inter_node",)
+    finite_guard: ClassVar[bool] = False
     # GradScaler.step() then always calls step(), with grad_scale and found_inf set on us
     _step_supports_amp_scaling: ClassVar[bool] = True
 
-    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
-                 compression=None, broadcast=True, settings: Dict[str, object], stall_timeout=None,
-                 stall_abort=None, stall_abort_after=None):
-        self._closed = True
-        self._shares, self._weights = None, {}
+    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, broadcast=True,
+                 settings: Dict[str, object], stall_timeout=None, stall_abort=None, stall_abort_after=None):
         self._init_optimizer_hooks()
         self._own_topology = topology is None
         self.topology = Topology.from_comm() if topology is None else topology
+        self._shares = BatchShares(self.topology)
         try:
-            self._setup(optimizer, (model, named_parameters), inter_node, compression, broadcast, settings)
+            self._setup(optimizer, (model, named_parameters), broadcast, settings)
             try:
                 self.stall = StallInspector(self.topology.comm, stall_timeout, stall_abort, stall_abort_after)
             except BaseException:
-                self._teardown()
+                self.engine.close()
                 raise
         except BaseException:
             if self._own_topology:
                 self.topology.close()
             raise
-
-    @classmethod
-    def from_config(cls, optimizer, model, topology, cfg) -> SyncMode:
-        """Build this mode from the trainer's config (the fields in ``config_fields``)."""
-        return cls(optimizer, model, topology=topology,
-                   **{field: getattr(cfg, field) for field in cls.config_fields})
+        self._opened()
 
     def _check(self, **settings) -> None:
         """Raise an :class:`~hsgd.errors.InputError` for a bad setting of this mode."""
 
+    def _make_engine(self, params: List[torch.nn.Parameter]) -> Engine:
+        """Build the family's engine over ``params`` (collective)."""
+        raise NotImplementedError
+
     def _step(self) -> None:
         raise NotImplementedError
 
-    def _init_optimizer_hooks(self) -> None:
-        """What ``torch.optim.Optimizer.__init__`` sets up for hooks (that one would also
-        copy the parameter groups: ours are the inner optimizer's)."""
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()  # step() runs the step pre- and post-hooks
-
-    def _setup(self, optimizer, model, inter_node, compression, broadcast, settings) -> None:
+    def _setup(self, optimizer, model, broadcast, settings) -> None:
         comm = self.topology.comm
         protect(comm)  # from here on: abort, not hang; no files left
         model = model_of(optimizer, *model, comm)  # (model, named_parameters): a module
-        error = None
-        try:
-            _check_common(optimizer, model, inter_node, compression)
+
+        def check():
+            _check_common(optimizer, model)
             self._check(**settings)
-        except InputError as exc:
-            error = exc
-        agree(comm, error)
-        self.compression = None if compression == "none" else compression
-        mine = (inter_node, self.compression, sorted(settings.items()))
+        check_all(comm, check)
+        mine = sorted((key, repr(value)) for key, value in settings.items())
         if len(set(map(repr, comm.allgather(mine)))) > 1:
             raise collective_error(InputValueError, f"ranks were given different {type(self).__name__} "
                                    "settings; pass the same on every rank")
@@ -192,75 +169,12 @@ class SyncMode(torch.optim.Optimizer):
         if broadcast:
             broadcast_parameters(model, comm)
         self.optimizer, self.model, self._params = optimizer, model, params
-        self._build(params, inter_node)
         self.num_steps = 0
-        self._closed = False
-
-    def _build(self, params, inter_node) -> None:
-        """Build what keeps the replicas in step (collective). The default: a shared window
-        with two-level averaging (:class:`HierarchicalAverager`), ``params`` bound to its slot."""
-        from ..hierarchical.averager import HierarchicalAverager  # the next commit gives it its own engine
-        self.averager = HierarchicalAverager(self.topology, self._layout(params), inter_node, self.compression)
-        try:
-            self._binding = SlotBinding(self.averager, params, self.bind, flags=self.bind == "grad")
-        except BaseException:
-            self.averager.close()
-            raise
-
-    def _teardown(self) -> None:
-        """Undo :meth:`_build` (collective); parameters and gradients keep their values."""
-        self._binding.unbind()
-        self.averager.close()
-
-    def _layout(self, params) -> Layout:
-        """One segment entry per parameter, plus the used-flags when gradients are bound."""
-        specs = [(p.dtype, p.numel()) for p in params]
-        if self.bind == "grad":
-            specs.append((torch.float32, len(params)))
-        try:
-            return Layout(specs)
-        except InputTypeError as exc:  # same dtypes on every rank, so the same error
-            raise collective_error(InputTypeError, str(exc)) from None
-
-    # --- torch.optim.Optimizer: the inner optimizer's groups, state and defaults ----------
-    @property
-    def param_groups(self):
-        """The inner optimizer's list itself: an LR set through either is seen by both."""
-        return self.optimizer.param_groups
+        self.engine = self._make_engine(params)
 
     @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    def add_param_group(self, param_group: dict) -> None:
-        raise InputValueError(f"{type(self).__name__} binds its parameters at construction; add the "
-                              "group to the inner optimizer before wrapping it")
-
-    def state_dict(self) -> dict:
-        """The inner optimizer's state dict, plus ``"hsgd_steps"`` (the step count).
-        Runs the state-dict hooks registered on this optimizer."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        state = self.optimizer.state_dict()
-        state["hsgd_steps"] = self.num_steps
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, state)
-            state = state if result is None else result
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            state_dict = state_dict if result is None else result
-        state_dict = dict(state_dict)
-        self.num_steps = int(state_dict.pop("hsgd_steps", 0))
-        self.optimizer.load_state_dict(state_dict)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+    def _binding(self):
+        return self.engine.binding
 
     @collective("broadcast_state()")
     def broadcast_state(self, root: int = 0, *, root_rank: Optional[int] = None) -> None:
@@ -269,22 +183,21 @@ class SyncMode(torch.optim.Optimizer):
         self._check_open()
         broadcast_optimizer_state(self, self.topology.comm, root, root_rank=root_rank)
 
-    _on_phase = None
-
     @property
     def on_phase(self):
         """``None`` or ``fn(name, start, end)``, called with the time of each communication phase."""
-        return self._on_phase
+        return self.engine.on_phase
 
     @on_phase.setter
     def on_phase(self, fn) -> None:
-        self._on_phase = fn
-        self._route_phases(fn)
+        self.engine.on_phase = fn
 
-    def _route_phases(self, fn) -> None:
-        """Hand the phase callback to the engine that :meth:`_build` made (default: the averager)."""
-        self.averager.on_phase = fn
+    @property
+    def traffic(self) -> Dict[str, int]:
+        """Bytes this rank moved since construction: ``intra_bytes`` and ``inter_bytes``."""
+        return self.engine.traffic.as_dict()
 
+    # --- the model the trainer evaluates and saves -------------------------------------------
     @collective("shared_state_dict()")
     def shared_state_dict(self) -> dict:
         """The model worth evaluating and saving, on the CPU, the same on every rank. Collective.
@@ -303,23 +216,17 @@ class SyncMode(torch.optim.Optimizer):
         """After the model was loaded from a checkpoint, set any state the mode keeps besides
         the replicas from ``state_dict`` (what :meth:`shared_state_dict` returned). Collective."""
 
-    @property
-    def traffic(self) -> Dict[str, int]:
-        """Bytes this rank moved since construction: ``intra_bytes`` and ``inter_bytes``."""
-        return self.averager.traffic.as_dict()
-
+    # --- a step's weighting ------------------------------------------------------------------
     @property
     def batch_shares(self) -> Optional[List[int]]:
         """Per-rank batch sizes (load balancing, :class:`~hsgd.LoadBalancer`), or ``None``: equal.
 
-        With shares ``b``, an average over ranks weights rank ``r`` by ``b[r]``:
-        a gradient average is then ``sum(b_r g_r) / sum(b)``, exactly the
-        global batch's gradient when each ``g_r`` is the mean over the rank's
-        own batch; a node-level average (local SGD) weights by the node's
-        shares. Set the same list on every rank (no communication); only modes
-        with ``balances`` take it.
+        With shares ``b``, an average over ranks weights rank ``r`` by ``b[r]``
+        (:mod:`hsgd._engine.weights`); a node-level average (local SGD) weights
+        by the node's shares. Set the same list on every rank (no
+        communication); only modes with ``balances`` take it.
         """
-        return None if self._shares is None else list(self._shares)
+        return None if self._shares.shares is None else list(self._shares.shares)
 
     @batch_shares.setter
     def batch_shares(self, shares: Optional[Sequence[int]]) -> None:
@@ -327,20 +234,20 @@ class SyncMode(torch.optim.Optimizer):
             raise InputValueError(f"{type(self).__name__} does not weight ranks by batch size; "
                                   f"batch shares need a mode with balances=True (HierarchicalSGD, "
                                   f"HierarchicalLocalSGD)")
-        if shares is None:
-            self._shares, self._weights = None, {}
-            return
-        check_shares(shares, self.topology.size)
-        node = [shares[r] for r in self.topology.node_ranks]
-        mine = shares[self.topology.rank]
-        self._shares = [int(b) for b in shares]
-        self._weights = {"global": mine * len(shares) / sum(shares), "node": mine * len(node) / sum(node)}
+        self._shares.set(shares)
 
-    def _weight(self, level: str) -> float:
-        """This rank's factor in a ``level`` average under :attr:`batch_shares` (1 without)."""
-        return self._weights.get(level, 1.0)
+    def step_weight(self, level: str) -> float:
+        """This step's factor on this rank's values in a ``level`` average: its batch share
+        times the AMP inverse loss scale (:mod:`hsgd._engine.weights`)."""
+        return self._shares.factor(level) * self._amp_inverse_scale()
 
-    # --- the step ----------------------------------------------------------------
+    def _amp_inverse_scale(self) -> float:
+        """1 / the loss scale that ``GradScaler.step()`` set on this optimizer for this step
+        (``grad_scale``; ``None`` once ``unscale_`` ran), else 1."""
+        scale = getattr(self, "grad_scale", None)
+        return 1.0 if scale is None else 1.0 / float(scale)
+
+    # --- the step ----------------------------------------------------------------------------
     def step(self, closure=None):
         """Run ``closure`` (if any), then the mode's synchronized step. Collective."""
         self._check_open()
@@ -354,17 +261,16 @@ class SyncMode(torch.optim.Optimizer):
         self.num_steps += 1
         return loss
 
-    def _amp_inverse_scale(self) -> float:
-        """1 / the loss scale that ``GradScaler.step()`` set on this optimizer for this step
-        (``grad_scale``; ``None`` once ``unscale_`` ran), else 1."""
-        scale = getattr(self, "grad_scale", None)
-        return 1.0 if scale is None else 1.0 / float(scale)
+    @property
+    def _under_scaler(self) -> bool:
+        """Whether ``GradScaler.step()`` drives this step (it set ``found_inf`` on us)."""
+        return "found_inf" in self.__dict__
 
     def _unscale_local(self) -> None:
         """Under ``GradScaler.step()``: unscale this rank's own gradients, and skip the inner
         step if one is not finite (modes whose gradients are local; the scaler checked the
         same gradients, so it skips its update alike)."""
-        if not hasattr(self, "found_inf"):
+        if not self._under_scaler:
             return
         inverse = self._amp_inverse_scale()
         grads = [p.grad for p in self._params if p.grad is not None]
@@ -381,36 +287,44 @@ class SyncMode(torch.optim.Optimizer):
         self._check_open()
         self.optimizer.zero_grad(set_to_none)
 
+    # --- capabilities, declared rather than probed -------------------------------------------
+    def no_sync(self):
+        """A block in which backward does not average. Only ``HierarchicalSGD(overlap=True)``
+        averages in backward; elsewhere this is a null context."""
+        return contextlib.nullcontext()
+
     def synchronize(self) -> None:
         raise RuntimeError(f"{type(self).__name__} has no synchronize(): it averages "
-                           f"{'gradients' if self.bind == 'grad' else 'parameters'} inside step()")
+                           f"{'gradients' if self.engine.binding.what == 'grad' else 'parameters'} "
+                           "inside step()")
 
-    # --- life cycle ----------------------------------------------------------------
+    def gradients_finite(self) -> bool:
+        """Whether every averaged gradient is finite, the same on every rank (modes with
+        ``finite_guard``)."""
+        raise RuntimeError(f"{type(self).__name__} does not average gradients before its step; "
+                           "gradients_finite() needs a mode with finite_guard=True (HierarchicalSGD)")
+
+    # --- life cycle --------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed; build a new one to keep training")
 
     def close(self) -> None:
-        """Free the shared window (collective). Gradients and parameters keep their values.
+        """Free the engine (collective). Gradients and parameters keep their values.
 
         ``p.grad`` and ``p.data`` get private copies; any other reference taken
         earlier to them (a saved ``p.grad``, a ``state_dict()`` of the model in
-        a mode that binds parameters) pointed into the window and must not be used after.
+        a mode that binds parameters) pointed into shared memory and must not be used after.
         """
-        if self._closed:
-            return
-        self._closed = True
+        super().close()
+
+    def _close(self) -> None:
         self.stall.close()
-        self._teardown()
+        self.engine.close()
         if self._own_topology:
             self.topology.close()
 
-    def __enter__(self) -> SyncMode:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({type(self.optimizer).__name__}, "
-                f"inter_node={self.averager.inter_node!r}, {self.topology})")
+        settings = self.engine.describe() if hasattr(self, "engine") else None
+        middle = f", {settings}" if settings else ""
+        return f"{type(self).__name__}({type(self.optimizer).__name__}{middle}, {self.topology})"

@@ -80,51 +80,12 @@ import torch
 from mpi4py import MPI
 
 from .._core.waits import Backoff
-from ..intra_node import _aligned
+from .buckets import FIRST_BUCKET_MB, Bucket, plan_buckets
 
 __all__ = ["Bucket", "plan_buckets", "BackwardOverlap", "FIRST_BUCKET_MB"]
 
-FIRST_BUCKET_MB = 1.0  # DDP's first bucket: small, so that averaging starts early
 POLL_S = 0.001         # how often the poller enters MPI while an inter-node allreduce is under way
 _WRITTEN, _REDUCED, _CROSSED = range(3)
-
-
-class Bucket(NamedTuple):
-    """Elements ``[lo, hi)`` of slot segment ``segment``, holding the bound tensors ``params``
-    (indices into the binding's parameters; empty for the used-flags)."""
-    segment: int
-    lo: int
-    hi: int
-    params: Tuple[int, ...]
-
-
-def plan_buckets(layout, numels: Sequence[int], cap_bytes: float,
-                 first_cap_bytes: float = FIRST_BUCKET_MB * 2 ** 20, tail: int = 0) -> List[Bucket]:
-    """Buckets over the entries of ``layout``, whose sizes are ``numels``: all but the last
-    ``tail`` in reverse order, a bucket ending when it reaches its cap (the first
-    ``min(first_cap_bytes, cap_bytes)``, the others ``cap_bytes``) or the segment changes;
-    then each of the last ``tail`` entries (the used-flags) as a bucket of its own."""
-    def extent(i: int) -> Tuple[int, int]:
-        seg, off = layout.places[i]
-        itemsize = torch.empty((), dtype=layout.dtypes[seg]).element_size()
-        return off, off + _aligned(numels[i] * itemsize) // itemsize
-
-    buckets: List[Bucket] = []
-    current: List[int] = []  # indices, highest first
-    nbytes = 0
-    for i in reversed(range(len(numels) - tail)):
-        if current and layout.places[current[0]][0] != layout.places[i][0]:
-            buckets.append(Bucket(layout.places[current[0]][0], extent(current[-1])[0], extent(current[0])[1],
-                                  tuple(current)))
-            current, nbytes = [], 0
-        current.append(i)
-        nbytes += numels[i] * torch.empty((), dtype=layout.dtypes[layout.places[i][0]]).element_size()
-        if nbytes >= (min(first_cap_bytes, cap_bytes) if not buckets else cap_bytes) or i == 0:
-            buckets.append(Bucket(layout.places[i][0], extent(i)[0], extent(current[0])[1], tuple(current)))
-            current, nbytes = [], 0
-    for i in range(len(numels) - tail, len(numels)):
-        buckets.append(Bucket(layout.places[i][0], *extent(i), ()))
-    return buckets
 
 
 class _Stage(NamedTuple):
@@ -202,7 +163,7 @@ class _Pipeline:
 
     def _memory_barrier(self) -> None:
         """``Win.Sync`` of both windows: the slots' and the board's stores and loads stay ordered."""
-        self.averager.slots.win.Sync()
+        self.averager.slots.sync()
         self.win.Sync()
 
     def post(self, flag: int, bucket: int) -> None:
@@ -385,8 +346,7 @@ class BackwardOverlap:
         self.binding.gather(bucket.params)
         weight = self.weight() if bucket.params else 1.0  # the used-flags are not weighted
         if weight != 1.0:
-            with torch.no_grad():
-                self.binding.averager.own(bucket.segment)[bucket.lo:bucket.hi].mul_(weight)
+            self.binding.scale_range(bucket.segment, bucket.lo, bucket.hi, weight)
         self.pipeline.post(_WRITTEN, b)
         self._written[b] = True
 

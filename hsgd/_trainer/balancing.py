@@ -78,7 +78,7 @@ def _calibration_work(model, loader, opt, device, comm, straggle, autocast):
     def work(b: int) -> None:
         rng, buffers = torch.get_rng_state(), [t.clone() for t in model.buffers()]
         start = time.perf_counter()
-        with getattr(opt, "no_sync", contextlib.nullcontext)():  # overlap=True: no averaging in backward
+        with opt.no_sync():  # overlap=True: no averaging in backward
             with autocast():
                 loss = torch.nn.functional.cross_entropy(model(x[:b]), y[:b])
             loss.backward()

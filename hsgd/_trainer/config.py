@@ -24,6 +24,7 @@ from ..gossip.sgd import DEFAULT_THETA
 from ..inter_node import STRATEGIES
 from ..modes import SYNC_MODES
 from .models import MODELS
+from .modes import MODE_CONFIGS, mode_flags
 
 __all__ = ["TrainConfig", "parse_config", "default_cache_dir"]
 
@@ -155,7 +156,7 @@ class TrainConfig:
             weighted = [name for name, mode in SYNC_MODES.items() if mode.balances]
             return (f"--balance needs a mode that weights ranks by batch size: --sync {' | '.join(weighted)} "
                     f"(got --sync {self.sync})")
-        if self.amp == "fp16" and self.overlap and "overlap" in SYNC_MODES[self.sync].config_fields:
+        if self.amp == "fp16" and self.overlap and "overlap" in mode_flags(self.sync):
             return ("--overlap averages the gradients during backward, before the GradScaler of --amp fp16 "
                     "can unscale them: use --amp bf16 (no GradScaler) or drop --overlap")
         if not self.gossip_theta >= 0:
@@ -184,8 +185,8 @@ class TrainConfig:
 
     def ignored_flags(self) -> List[str]:
         """Flags of other synchronization modes set away from their default: --sync's mode ignores them."""
-        mine = set(SYNC_MODES[self.sync].config_fields)
-        others = {name for mode in SYNC_MODES.values() for name in mode.config_fields} - mine
+        mine = set(mode_flags(self.sync))
+        others = {name for sync in MODE_CONFIGS for name in mode_flags(sync)} - mine
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         return [f"--{name.replace('_', '-')}" for name in sorted(others)
                 if getattr(self, name) != defaults[name]]

@@ -68,10 +68,10 @@ class Trainer:
         self.balancing = Balancing(cfg, self.train_loader, self.opt, self.model, self.device, self.comm,
                                    self._straggle if self.slowdown > 1 else None, self.amp.autocast)
         self.clock.take()  # --balance's warm-up is not training time
-        self._guard = cfg.nonfinite_limit > 0 and hasattr(self.opt, "gradients_finite")
+        self._guard = cfg.nonfinite_limit > 0 and self.opt.finite_guard
         # --amp fp16 in --sync sync: the scaler unscales the averages, so that every rank's scaler
         # sees the same gradients and keeps the same scale
-        self._average_first = self._guard or (self.amp.scaler is not None and hasattr(self.opt, "gradients_finite"))
+        self._average_first = self._guard or (self.amp.scaler is not None and self.opt.finite_guard)
         self._skipped = 0  # steps skipped in a row for non-finite gradients
         self.log = _open_log(self.run_dir, self.comm, cfg.tensorboard)
         self.stopper = stopper

@@ -21,12 +21,12 @@ from mpi4py import MPI
 
 from .._core.agree import check_all, collective_error, on_root
 from ..errors import InputPermissionError, InputValueError
-from ..modes import SYNC_MODES
 from ..parallel_io import ContiguousH5Loader
 from ..topology import Topology
 from .checkpoint import check_writable
 from .config import TrainConfig
 from .models import build_model
+from .modes import mode_config
 from .precision import check_amp
 from .training import dataset_length, make_optimizer, make_scheduler, num_classes, prepare_data, test_batch_size
 
@@ -120,7 +120,7 @@ def build(cfg, topo, device):
     model = check_all(comm, build_model, cfg.model, train.sample_shape, classes, cfg.width).to(device)
     inner = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, inner, len(train))
-    opt = SYNC_MODES[cfg.sync].from_config(inner, model, topo, cfg)
+    opt = mode_config(cfg).build(inner, model, topo)
     logger.info("%s; %d train / %d test samples of shape %s, %d classes; %s %s",
                 opt, train.num_samples, test.num_samples, tuple(train.sample_shape), classes,
                 cfg.model, cfg.optimizer)

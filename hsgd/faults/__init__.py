@@ -3,7 +3,7 @@
 - :mod:`hsgd.faults.abort`: an uncaught exception on any rank prints its
   traceback once, tagged with the rank, and aborts the whole job
   (``MPI_Abort``), in the manner of ``python -m mpi4py``;
-- :mod:`hsgd.faults.leftovers`: the files MPI leaves in ``/dev/shm`` and
+- :mod:`hsgd._core.leftovers`: the files MPI leaves in ``/dev/shm`` and
   the temporary directory when a job ends abnormally are unlinked while the
   job runs, as soon as every rank has attached them.
 
@@ -12,8 +12,8 @@ is built. ``HSGD_ABORT_ON_EXCEPTION=0`` and ``HSGD_UNLINK_MPI_FILES=0`` turn
 them off.
 """
 
+from .._core.leftovers import unlink_mpi_files
 from .abort import abort_job, abort_on_exception, install_abort_hook
-from .leftovers import unlink_mpi_files
 
 __all__ = ["protect", "abort_job", "abort_on_exception", "install_abort_hook", "unlink_mpi_files"]
 

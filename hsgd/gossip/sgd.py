@@ -49,28 +49,35 @@ from __future__ import annotations
 
 import math
 import time
+from typing import List, Tuple
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
 from .._core.checks import check_choice, check_int
-from .._core.traffic import Traffic
-from .._core.waits import wait_all
-from .._engine.binding import FlatSlot, SlotBinding
 from .._engine.mode import SyncMode, collective
 from ..errors import InputValueError
-from .graphs import GRAPHS, make_graph
+from .graphs import GRAPHS
+from .transport import GossipEngine
 
-__all__ = ["GossipSGD", "DEFAULT_THETA"]
+__all__ = ["GossipSGD", "DEFAULT_THETA", "push_sum"]
 
 #: The default ``theta`` (and ``--gossip-theta``): on the default MNIST-1D run (4 ranks) it cut
 #: the bytes sent by 98.8% against every-step gossip (95.5% in a 5-epoch run) at the same test
 #: accuracy (docs/benchmarks.md). On a harder problem a smaller theta keeps replicas closer.
 DEFAULT_THETA = 0.1
 
-_HEADER, _MODEL = 1, 2  # message tags
-_MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}
+
+def push_sum(x: torch.Tensor, weight: float, received: List[Tuple[torch.Tensor, float]]) -> float:
+    """The mixing: ``x := (weight x + sum(w_i x_i)) / (weight + sum(w_i))`` over the
+    ``(x_i, w_i)`` received, in place; returns the new weight."""
+    if not received:
+        return weight
+    total = weight + sum(w for _, w in received)
+    x.mul_(weight / total)
+    for buf, w in received:
+        x.add_(buf, alpha=w / total)
+    return total
 
 
 class GossipSGD(SyncMode):
@@ -86,10 +93,8 @@ class GossipSGD(SyncMode):
     """
 
     name = "gossip"
-    bind = "data"
     replicas_differ = True
     lockstep = False  # peers wait for peers, nobody for everybody
-    config_fields = ("gossip_graph", "gossip_theta")
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, graph="exponential",
                  theta=DEFAULT_THETA, seed=0, broadcast=True, stall_timeout=None, stall_abort=None,
@@ -101,11 +106,6 @@ class GossipSGD(SyncMode):
                          stall_timeout=stall_timeout, stall_abort=stall_abort,
                          stall_abort_after=stall_abort_after)
 
-    @classmethod
-    def from_config(cls, optimizer, model, topology, cfg) -> GossipSGD:
-        return cls(optimizer, model, topology=topology, graph=cfg.gossip_graph, theta=cfg.gossip_theta,
-                   seed=cfg.seed)
-
     def _check(self, graph, theta, seed) -> None:
         check_choice("graph", graph, GRAPHS)
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta >= 0:
@@ -113,32 +113,13 @@ class GossipSGD(SyncMode):
                                   "math.inf: never)")
         check_int("seed", seed, minimum=0)
 
-    # --- engine -------------------------------------------------------------------------------
-    def _build(self, params, inter_node) -> None:
-        topo = self.topology
-        self._slot = FlatSlot(params, "GossipSGD")
-        self._mpi_type = _MPI_TYPES[self._slot.dtype]
-        self._binding = SlotBinding(self._slot, params, "data")
-        self.local = self._slot.buffer  # x: this rank's model, the parameters are views into it
+    def _make_engine(self, params) -> GossipEngine:
+        engine = GossipEngine(self.topology, params, self.graph_name, self.seed)
+        self.local, self.graph, self._slot = engine.local, engine.graph, engine.slot  # x: this rank's model
         self.sent = self.local.clone()  # x_sent
         self.weight = 1.0
-        self.graph = make_graph(self.graph_name, topo.size, self.seed)
-        self._nodes = topo.comm.allgather(topo.node_index)
-        self._comm = topo.comm.Dup()  # our tags never meet the user's messages
-        self._inbox = {}  # in-peer -> receive buffer
-        self._traffic = Traffic()
         self.sends = 0  # rounds in which this rank sent its model
-
-    def _teardown(self) -> None:
-        self._binding.unbind()
-        self._comm.Free()
-
-    @property
-    def traffic(self):
-        return self._traffic.as_dict()
-
-    def _route_phases(self, fn) -> None:
-        pass  # the step reports its own phases through self.on_phase
+        return engine
 
     # --- the step -----------------------------------------------------------------------------
     def _step(self) -> None:
@@ -153,10 +134,9 @@ class GossipSGD(SyncMode):
         self._binding.gather()
         self._round(outs, ins)
         self._binding.scatter()
-        if self._on_phase is not None:
-            peers = set(outs) | set(ins)
-            same_node = all(self._nodes[p] == self.topology.node_index for p in peers)
-            self._on_phase("intra" if same_node else "inter", start, time.perf_counter())
+        if self.on_phase is not None:
+            self.on_phase("intra" if self.engine.same_node(set(outs) | set(ins)) else "inter",
+                          start, time.perf_counter())
 
     def triggered(self) -> bool:
         """Whether this rank's model moved enough since its last send to send it now."""
@@ -166,45 +146,14 @@ class GossipSGD(SyncMode):
         return moved > self.theta * torch.linalg.vector_norm(self.sent).item()
 
     def _round(self, outs, ins) -> None:
-        comm, x = self._comm, self.local
         send = bool(outs) and self.triggered()
         share = self.weight / (len(outs) + 1) if send else 0.0
-        header = np.array([1.0 if send else 0.0, share])
-        heads = {peer: np.empty(2) for peer in ins}
-        requests = [comm.Irecv([heads[peer], MPI.DOUBLE], source=peer, tag=_HEADER) for peer in ins]
-        for peer in outs:
-            requests.append(comm.Isend([header, MPI.DOUBLE], dest=peer, tag=_HEADER))
-            nbytes = header.nbytes
-            if send:
-                requests.append(comm.Isend([x.numpy(), self._mpi_type], dest=peer, tag=_MODEL))
-                nbytes += x.numel() * x.element_size()
-            self._count(peer, nbytes)
-        wait_all(requests[:len(ins)])  # the headers: who sends a model this round
-        received = []
-        for peer in ins:
-            if heads[peer][0]:
-                buf = self._inbox.get(peer)
-                if buf is None:
-                    buf = self._inbox[peer] = torch.empty_like(x)
-                requests.append(comm.Irecv([buf.numpy(), self._mpi_type], source=peer, tag=_MODEL))
-                received.append((buf, float(heads[peer][1])))
-        wait_all(requests)  # x is read by the sends until here; the models are in
+        received = self.engine.exchange(outs, ins, send, share)
         if send:
-            self.sent.copy_(x)
+            self.sent.copy_(self.local)
             self.sends += 1
             self.weight = share  # kept: the same share as each peer got
-        if received:
-            total = self.weight + sum(w for _, w in received)
-            x.mul_(self.weight / total)
-            for buf, w in received:
-                x.add_(buf, alpha=w / total)
-            self.weight = total
-
-    def _count(self, peer: int, nbytes: int) -> None:
-        if self._nodes[peer] == self.topology.node_index:
-            self._traffic.add_intra(nbytes)
-        else:
-            self._traffic.add_inter(nbytes)
+        self.weight = push_sum(self.local, self.weight, received)
 
     # --- what the trainer evaluates, saves and resumes ---------------------------------------------
     @collective("consensus()")

@@ -37,6 +37,7 @@ import time
 import torch
 
 from .._core.checks import check_choice
+from .._core.closable import Closable
 from .._core.traffic import Traffic
 from ..inter_node import make_inter_node
 from ..intra_node import Layout, SharedSlots
@@ -46,7 +47,7 @@ __all__ = ["HierarchicalAverager", "LEVELS"]
 LEVELS = ("node", "global")
 
 
-class HierarchicalAverager:
+class HierarchicalAverager(Closable):
     """Averages each rank's slot over its node or over all ranks. Collective."""
 
     def __init__(self, topology, layout: Layout, inter_node: str = "leader", compression=None):
@@ -62,6 +63,7 @@ class HierarchicalAverager:
         # hsgd._trainer.metrics.PhaseClock.record for the trainer's time breakdown.
         self.on_phase = None
         self.traffic = Traffic()  # bytes moved by this rank (hsgd._core.traffic)
+        self._opened()
 
     @property
     def inter_node(self) -> str:
@@ -153,13 +155,7 @@ class HierarchicalAverager:
         """This rank's slice of ``span`` in every slot := ``scale`` * that of slot 0."""
         self.traffic.add_intra(self.slots.broadcast_from_first(scale, span))
 
-    def close(self) -> None:
-        """Free the level-2 communicator and the shared window. Collective."""
+    def _close(self) -> None:
+        """Free the level-2 communicator and the shared window (collective)."""
         self.inter.close()
         self.slots.close()
-
-    def __enter__(self) -> HierarchicalAverager:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -29,16 +29,17 @@ from __future__ import annotations
 from typing import Optional
 
 from .._core.checks import check_int
-from .._engine.mode import SyncMode
+from .engine import HierarchicalMode
 
 __all__ = ["HierarchicalLocalSGD"]
 
 
-class HierarchicalLocalSGD(SyncMode):
+class HierarchicalLocalSGD(HierarchicalMode):
     """Wraps ``optimizer``: local steps, with periodic two-level parameter averaging.
 
     Args:
-        optimizer, model, topology, inter_node, broadcast: see :class:`~hsgd._engine.mode.SyncMode`.
+        optimizer, model, topology, inter_node, compression, broadcast: see
+            :class:`~hsgd.hierarchical.engine.HierarchicalMode`.
         intra_period: average inside the node every this many steps.
         inter_period: ... and over all ranks every ``intra_period * inter_period`` steps.
     """
@@ -47,7 +48,6 @@ class HierarchicalLocalSGD(SyncMode):
     bind = "data"
     replicas_differ = True
     balances = True
-    config_fields = ("inter_node", "compression", "intra_period", "inter_period")
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
                  compression=None, intra_period=1, inter_period=1, broadcast=True, stall_timeout=None,
@@ -59,7 +59,7 @@ class HierarchicalLocalSGD(SyncMode):
                          stall_timeout=stall_timeout, stall_abort=stall_abort,
                          stall_abort_after=stall_abort_after)
 
-    def _check(self, intra_period, inter_period) -> None:
+    def _check_own(self, intra_period, inter_period) -> None:
         check_int("intra_period", intra_period)
         check_int("inter_period", inter_period)
 
@@ -77,9 +77,5 @@ class HierarchicalLocalSGD(SyncMode):
         level = self.averaging_level(self.num_steps)
         if level is None:
             return
-        self._binding.gather()
-        weight = self._weight(level)
-        if weight != 1.0:  # batch_shares: rank r's parameters count in proportion to its batch
-            self._binding.scale_(weight)
-        self.averager.average(level)
-        self._binding.scatter()
+        # batch_shares: rank r's parameters count in proportion to its batch
+        self.engine.average(level, self._shares.factor(level))

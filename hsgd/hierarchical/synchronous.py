@@ -59,20 +59,20 @@ from mpi4py import MPI
 
 from .._core.agree import collective_error
 from .._core.checks import check_int
-from .._engine.mode import SyncMode
-from .._engine.overlap import BackwardOverlap
 from ..errors import InputTypeError, InputValueError
+from .engine import HierarchicalMode
 
 __all__ = ["HierarchicalSGD", "DEFAULT_BUCKET_MB"]
 
 DEFAULT_BUCKET_MB = 25.0  # as DDP's bucket_cap_mb
 
 
-class HierarchicalSGD(SyncMode):
+class HierarchicalSGD(HierarchicalMode):
     """Wraps ``optimizer`` so that every ``step()`` averages the gradients over all ranks.
 
     Args:
-        optimizer, model, topology, inter_node, broadcast: see :class:`~hsgd._engine.mode.SyncMode`.
+        optimizer, model, topology, inter_node, compression, broadcast: see
+            :class:`~hsgd.hierarchical.engine.HierarchicalMode`.
         backward_passes_per_step: divide the accumulated gradient by this (with ``overlap``,
             also the backward passes after which a gradient is final).
         overlap: average the gradients in buckets while backward still runs
@@ -90,14 +90,13 @@ class HierarchicalSGD(SyncMode):
     name = "sync"
     bind = "grad"
     balances = True
-    config_fields = ("inter_node", "compression", "overlap", "bucket_cap_mb")
+    finite_guard = True
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
                  compression=None, backward_passes_per_step=1, overlap=False, bucket_cap_mb=DEFAULT_BUCKET_MB,
                  broadcast=True, stall_timeout=None, stall_abort=None, stall_abort_after=None):
         self.backward_passes_per_step = backward_passes_per_step
         self.overlap, self.bucket_cap_mb = overlap, bucket_cap_mb
-        self._overlap = None
         self._synchronized = False
         self._skip = False
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
@@ -107,7 +106,7 @@ class HierarchicalSGD(SyncMode):
                          stall_timeout=stall_timeout, stall_abort=stall_abort,
                          stall_abort_after=stall_abort_after)
 
-    def _check(self, backward_passes_per_step, overlap, bucket_cap_mb) -> None:
+    def _check_own(self, backward_passes_per_step, overlap, bucket_cap_mb) -> None:
         check_int("backward_passes_per_step", backward_passes_per_step)
         if not isinstance(overlap, bool):
             raise InputTypeError(f"overlap must be True or False, got {overlap!r}")
@@ -116,28 +115,27 @@ class HierarchicalSGD(SyncMode):
             raise InputValueError(f"Invalid bucket_cap_mb: {bucket_cap_mb!r}; use a number of MiB > 0 "
                                   f"(default {DEFAULT_BUCKET_MB})")
 
-    def _build(self, params, inter_node) -> None:
-        super()._build(params, inter_node)
+    def _make_engine(self, params):
+        engine = super()._make_engine(params)
         if not self.overlap:
-            return
+            return engine
         try:
-            if not all(self._binding.zero_copy) and MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            if not all(engine.binding.zero_copy) and MPI.Query_thread() < MPI.THREAD_SERIALIZED:
                 raise collective_error(InputValueError, (
                     "overlap=True with parameters on a GPU averages from autograd's device threads, "
                     "which needs MPI initialized with MPI_THREAD_SERIALIZED or more (mpi4py's default, "
                     "mpi4py.rc.thread_level = 'multiple'); or pass overlap=False"))
-            self._overlap = BackwardOverlap(self.averager, self._binding, self.bucket_cap_mb,
-                                            self.backward_passes_per_step, lambda: self._weight("global"),
-                                            lambda what, count=True: self.stall.waiting(self.num_steps, what, count))
+            engine.start_overlap(bucket_cap_mb=self.bucket_cap_mb, passes=self.backward_passes_per_step,
+                                 weight=lambda: self.step_weight("global"),
+                                 waiting=lambda what, count=True: self.stall.waiting(self.num_steps, what, count))
         except BaseException:
-            super()._teardown()
+            engine.close()
             raise
+        return engine
 
-    def _teardown(self) -> None:
-        if self._overlap is not None:
-            self._overlap.close()
-            self._overlap = None
-        super()._teardown()
+    @property
+    def _overlap(self):
+        return self.engine.overlap
 
     def synchronize(self) -> None:
         """Average the gradients over all ranks now. A second call before ``step()`` does nothing."""
@@ -147,15 +145,10 @@ class HierarchicalSGD(SyncMode):
         if self._overlap is not None:
             self._finish_overlap()
             return
-        self._binding.gather()
         # batch_shares: the average weights rank r by its batch; under GradScaler.step() each
         # rank's gradients are unscaled by its own loss scale before they are summed
-        weight = self._weight("global") * self._amp_inverse_scale()
-        if weight != 1.0:
-            self._binding.scale_(weight)
         with self.stall.waiting(self.num_steps, "synchronize()"):
-            self.averager.average("global", 1.0 / self.backward_passes_per_step)
-        self._binding.scatter()
+            self.engine.average("global", self.step_weight("global"), self.backward_passes_per_step)
         self._synchronized = True
 
     def _finish_overlap(self) -> None:
@@ -208,7 +201,7 @@ class HierarchicalSGD(SyncMode):
             self._skip = False
 
     def _step(self) -> None:
-        if self._overlap is not None and hasattr(self, "found_inf"):
+        if self._overlap is not None and self._under_scaler:
             for name in ("found_inf", "grad_scale"):  # GradScaler removes them only after a step
                 self.__dict__.pop(name, None)
             raise InputValueError("with overlap=True backward averages the gradients before "
@@ -222,9 +215,9 @@ class HierarchicalSGD(SyncMode):
             self._unscale_local()
         elif not self._synchronized:
             self.synchronize()  # unscales too, under GradScaler.step()
-        elif hasattr(self, "found_inf"):  # GradScaler.step() after synchronize()
+        elif self._under_scaler:  # GradScaler.step() after synchronize()
             self._unscale_local()
-        if hasattr(self, "found_inf") and self._synchronized:
+        if self._under_scaler and self._synchronized:
             # the averages are the same on every rank: all step or all skip, with the scaler
             self._skip_inner = not self.gradients_finite()
         self._optimizer_step()

@@ -1,12 +1,11 @@
-"""Remote memory as a device: one-sided MPI (RMA) regions and the modes built on them.
+"""Remote memory as a device: one-sided MPI (RMA) regions.
 
-- :class:`RemoteMemory`: a sharded region that ranks write, read and
-  accumulate into with no work by the owners (:mod:`hsgd.remote.memory`);
-- :class:`ElasticSGD` and :class:`AsyncSGD`: training against global
-  weights kept in such a region, the parameter box (:mod:`hsgd.remote.box`).
+:class:`RemoteMemory` is a sharded region that ranks write, read and
+accumulate into with no work by the owners (:mod:`hsgd.remote.memory`). It is
+transport: the parameter box's modes (:mod:`hsgd.box`), the stall inspector
+(:mod:`hsgd.faults.stall`) and the trainer's stop are built on it.
 """
 
-from .box import AsyncSGD, ElasticSGD
 from .memory import RemoteMemory
 
-__all__ = ["RemoteMemory", "ElasticSGD", "AsyncSGD"]
+__all__ = ["RemoteMemory"]

@@ -28,7 +28,7 @@ How it works, and why so:
   chunk to every owner, then ``Flush``es each owner; a read ``Rget``s
   pieces of 0.5 ms on the link, at least 64 KiB (:mod:`hsgd.remote.pacing`), two in
   flight per owner, from all owners at once
-  (:meth:`RemoteMemory._get_windowed` says why). When an operation returns,
+  (:func:`hsgd.remote.reads.get_windowed` says why). When an operation returns,
   its data is in the region (or in the reader's buffer). No rank
   takes a lock on the window per operation. That matters: MPICH grants a
   passive-target lock (``Win.Lock``, or ``Lock_all`` without ``NOCHECK``)
@@ -79,20 +79,20 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .._core.closable import Closable
 from .._core.traffic import Traffic
-from .._core.waits import Backoff
 from ..topology import Topology
 from .control import ControlWords
 from .layout import DTYPES, agree_owners, pieces, shard_bounds
 from .pacing import LEAST_BYTES, Pacer
 from .progress import IDLE_S, Doorbells
+from .reads import get_windowed
 
 __all__ = ["RemoteMemory", "DTYPES", "DEFAULT_CHUNK_BYTES"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
-READ_WINDOW = 2  # pieces in flight per owner in a read from another host (see _get_windowed)
 
-class RemoteMemory:
+class RemoteMemory(Closable):
     """A region of ``numel`` elements of ``dtype``, sharded over ``owners``. Collective.
 
     Args:
@@ -115,7 +115,6 @@ class RemoteMemory:
     def __init__(self, comm, numel: int, dtype=torch.float32, owners: Optional[Sequence[int]] = None,
                  *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, topology: Optional[Topology] = None,
                  progress_idle: float = IDLE_S):
-        self._closed = True
         comm = MPI.COMM_WORLD if comm is None else comm
         owners, node_ranks = agree_owners(comm, numel, dtype, owners, chunk_bytes, topology)
         self.comm, self.numel, self.dtype, self.owners = comm, int(numel), dtype, owners
@@ -145,7 +144,7 @@ class RemoteMemory:
         self._pending: Optional[Tuple[np.ndarray, List[int]]] = None
         self._reading: Dict[Tuple[int, int, int], Tuple[MPI.Request, np.ndarray]] = {}  # read_within's
         self._pacers: Dict[int, Pacer] = {}  # the read pieces' size, per owner on another host
-        self._closed = False
+        self._opened()
 
     def _shared_view(self, owner: int) -> Optional[np.ndarray]:
         """``owner``'s shard as this process's memory, where the MPI maps it here."""
@@ -163,10 +162,6 @@ class RemoteMemory:
         return np.frombuffer(mem, dtype=self._np_dtype, count=count)
 
     # --- checks, before any MPI call ----------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this RemoteMemory is closed; build a new one")
-
     def _check_transfer(self, what: str, offset, tensor) -> int:
         self._check_open()
         if not isinstance(tensor, torch.Tensor):
@@ -201,46 +196,6 @@ class RemoteMemory:
                 self._win.Accumulate(spec, owner, target, MPI.SUM)
             if flush:
                 self._win.Flush(owner)
-
-    def _get_windowed(self, queues: Dict[int, Deque[Tuple[np.ndarray, int]]]) -> None:
-        """Read every ``(buffer, displacement)`` of ``queues[owner]`` from ``owner``, at most
-        ``READ_WINDOW`` pieces in flight per owner, all owners at once, waiting politely.
-
-        Why a window: over TCP a read is a request to the owner and the owner's answer, on the
-        one connection each way between two processes. Everything this rank asks for at once
-        is queued on the owner's side of that connection, and every later message the owner
-        sends this rank (its own read requests, its accumulates, the control word's answers)
-        waits behind it: with the whole 8 MB asked for at once, a rank that started reading
-        3 ms later took 116 ms instead of 64 (two hosts, 1 Gbit/s). The pieces are sized by
-        their time on the link (:class:`~hsgd.remote.pacing.Pacer`: 0.5 ms, at least 64 KiB), so the
-        queue drains in a few milliseconds on a slow link as on a fast one."""
-        inflight: Dict[int, Deque[Tuple[MPI.Request, int]]] = {owner: deque() for owner in queues}
-        pacers, began = {owner: self._pacer(owner) for owner in queues}, time.monotonic()
-        for pacer in pacers.values():
-            pacer.begin(began)
-        backoff = Backoff()
-        while any(queues.values()) or any(inflight.values()):
-            moved = False
-            for owner, queue in queues.items():
-                pending, pacer = inflight[owner], pacers[owner]
-                while pending and pending[0][0].Test():
-                    pacer.arrived(pending.popleft()[1], time.monotonic())
-                    moved = True
-                while queue and len(pending) < READ_WINDOW:
-                    buf, disp = queue[0]
-                    count = min(len(buf), max(1, pacer.next_bytes() // self.itemsize))
-                    if count == len(buf):
-                        queue.popleft()
-                    else:
-                        queue[0] = (buf[count:], disp + count)
-                    self._bells.ring(owner)
-                    request = self._win.Rget([buf[:count], self._mpi_type], owner, (disp, count, self._mpi_type))
-                    pending.append((request, count * self.itemsize))
-                    moved = True
-            if moved:
-                backoff.reset()
-            else:
-                backoff.idle()
 
     def _pacer(self, owner: int) -> Pacer:
         pacer = self._pacers.get(owner)
@@ -283,7 +238,8 @@ class RemoteMemory:
             else:
                 queues.setdefault(owner, deque()).append((dst[first:stop], disp))
             self._count(owner, stop - first)
-        self._get_windowed(queues)
+        get_windowed(self._win, self._mpi_type, self.itemsize, self._bells,
+                     {owner: self._pacer(owner) for owner in queues}, queues)
         if not direct:
             out.copy_(torch.from_numpy(dst).view(out.shape))
         return out
@@ -409,10 +365,11 @@ class RemoteMemory:
 
     def close(self) -> None:
         """Free the region. Collective; every operation completed on return. Idempotent."""
-        if self._closed:
-            return
-        self.accumulate_wait()
-        self._closed = True
+        if not self._closed:
+            self.accumulate_wait()
+        super().close()
+
+    def _close(self) -> None:
         self._direct.clear()
         MPI.Request.Waitall([request for request, _ in self._reading.values()])
         self._reading.clear()
@@ -420,12 +377,6 @@ class RemoteMemory:
         self._win.Free()
         self._ctl.free()
         self._bells.close()
-
-    def __enter__(self) -> RemoteMemory:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"owners={list(self.owners)}"

@@ -15,7 +15,7 @@ OPTIMIZERS = {
 
 def check_binding(opt, binding):
     """``opt`` bound its tensors the ``binding`` way; staged ones are not views into the slot."""
-    bound = opt._binding
+    bound = opt.engine.binding
     assert bound.zero_copy == [binding == "zero_copy"] * len(bound.params)
     if binding == "staged":
         current = [p.grad if bound.what == "grad" else p.data for p in bound.params]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+from hsgd._core.leftovers import unlink_mpi_files
 from hsgd._engine.binding import SlotBinding
-from hsgd.faults.leftovers import unlink_mpi_files
 
 _outcomes = {}  # test id -> "passed" / "skipped", on this rank
 
@@ -37,7 +37,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_sessionstart(session):
-    """MPI's files unlinked once every rank attached them (hsgd.faults.leftovers): a test that
+    """MPI's files unlinked once every rank attached them (hsgd._core.leftovers): a test that
     fails and aborts the job before any hsgd object was built leaves nothing either."""
     unlink_mpi_files(MPI.COMM_WORLD)
 

@@ -142,7 +142,7 @@ def test_zero_grad_sets_none_and_backward_fills_the_slot_without_a_copy(comm, bi
     x, y = fixed_batch()
     model = mlp()
     opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
-    bound = opt._binding
+    bound = opt.engine.binding
     want = mlp()
     torch.nn.functional.cross_entropy(want(x), y).backward()
     for micro in (1, 2):
@@ -169,7 +169,7 @@ def test_autograd_grad_and_create_graph_bypass_the_slot(comm):
     opt.zero_grad()
     params = list(model.parameters())
     grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)
-    slot = opt._binding.views
+    slot = opt.engine.binding.views
     assert all(p.grad is None for p in params)
     assert all(g.data_ptr() != v.data_ptr() for g, v in zip(grads, slot))
     torch.nn.functional.cross_entropy(model(x), y).backward(create_graph=True)
@@ -501,7 +501,7 @@ def test_local_sgd_averages_weight_ranks_by_batch_shares(comm):
                 sim[r] = mean
         assert model.weight.item() == pytest.approx(sim[comm.rank], rel=1e-12), t
     opt.batch_shares = None  # equal again
-    assert opt.batch_shares is None and opt._weight("global") == 1.0
+    assert opt.batch_shares is None and opt.step_weight("global") == 1.0
     opt.close()
     topo.close()
 

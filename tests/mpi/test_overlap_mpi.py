@@ -63,7 +63,7 @@ def assert_same(a, b):
 @pytest.mark.parametrize("cap", [TINY, 25.0])
 def test_overlap_equals_single_process_and_no_overlap(comm, layout, cap, binding):
     on, opt_on = train(comm, True, bucket_cap_mb=cap, **layout)
-    assert len(opt_on._overlap.buckets) == (5 if cap == TINY else 2)  # 4 tensors (+ the used-flags)
+    assert len(opt_on.engine.overlap.buckets) == (5 if cap == TINY else 2)  # 4 tensors (+ the used-flags)
     off, opt_off = train(comm, False, **layout)
     assert_params_close(on, reference(torch.float64, OPTIMIZERS["momentum_wd"], STEPS), torch.float64)
     assert_same(on, off)  # the same summation order, bit for bit (MPI's is the same at these sizes)
@@ -201,7 +201,7 @@ def test_mixed_dtypes_and_order_and_batch_shares_bit_for_bit(comm, layout):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(xs), ys).backward()
             opt.step()
-    assert {b.segment for b in runs[0][1]._overlap.buckets} == {0, 1}  # float64 and float32 segments
+    assert {b.segment for b in runs[0][1].engine.overlap.buckets} == {0, 1}  # float64 and float32 segments
     assert_same(runs[0][0], runs[1][0])
     for _, opt in runs:
         opt.close()

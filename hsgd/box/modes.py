@@ -42,47 +42,61 @@ import torch
 
 from .._core.checks import check_int
 from .._engine.binding import FlatSlot, SlotBinding
+from .._engine.engine import Engine
 from .._engine.mode import SyncMode, collective
 from ..errors import InputValueError
-from .memory import RemoteMemory
+from ..remote.memory import RemoteMemory
 
-__all__ = ["ElasticSGD", "AsyncSGD", "BoxMode"]
+__all__ = ["ElasticSGD", "AsyncSGD", "BoxMode", "BoxEngine"]
 
 
-class BoxMode(SyncMode):
-    """What :class:`ElasticSGD` and :class:`AsyncSGD` share: ``W_g`` in a RemoteMemory region.
+class BoxEngine(Engine):
+    """``W_x``, the flat replica the parameters are views into, and ``W_g``, a
+    :class:`~hsgd.remote.memory.RemoteMemory` region of the same size (one shard per node
+    leader), starting as rank 0's ``W_x``. Collective to build and to close.
 
-    The local parameters are views into one flat CPU buffer ``W_x`` (CPU
-    parameters without a copy; others are staged), so reads of ``W_g`` land
-    in them directly.
+    The local parameters are views into one flat CPU buffer ``W_x`` (CPU parameters
+    without a copy; others are staged), so reads of ``W_g`` land in them directly.
     """
 
-    bind = "data"
-    replicas_differ = True
-    lockstep = False  # step() waits for nobody: ranks drift apart
-
-    def _build(self, params, inter_node) -> None:
-        self._slot = FlatSlot(params, type(self).__name__)
-        self._binding = SlotBinding(self._slot, params, "data")  # copies the values in, binds views
-        self.local = self._slot.buffer  # W_x
+    def __init__(self, topology, params, who: str):
+        self.slot = FlatSlot(params, who)
+        self.binding = SlotBinding(self.slot, params, "data")  # copies the values in, binds views
+        self.local = self.slot.buffer  # W_x
         try:
-            self.box = RemoteMemory(self.topology.comm, self.local.numel(), dtype=self._slot.dtype,
-                                    topology=self.topology)
+            self.box = RemoteMemory(topology.comm, self.local.numel(), dtype=self.slot.dtype, topology=topology)
         except BaseException:
-            self._binding.unbind()
+            self.binding.unbind()
             raise
-        if self.topology.rank == 0:
+        if topology.rank == 0:
             self.box.write(0, self.local)  # W_g starts as rank 0's parameters (everyone's, after broadcast)
-        self.topology.comm.Barrier()
-
-    def _teardown(self) -> None:
-        self._binding.unbind()
-        self.box.close()
+        topology.comm.Barrier()
+        self._opened()
 
     @property
     def traffic(self):
         """Bytes this rank read, wrote and accumulated: own node's shards ``intra``, others ``inter``."""
-        return self.box.traffic.as_dict()
+        return self.box.traffic
+
+    def describe(self) -> str:
+        return repr(self.box)
+
+    def _close(self) -> None:
+        self.binding.unbind()
+        self.box.close()
+
+
+class BoxMode(SyncMode):
+    """What :class:`ElasticSGD` and :class:`AsyncSGD` share: ``W_g`` in a RemoteMemory region
+    (:class:`BoxEngine`)."""
+
+    replicas_differ = True
+    lockstep = False  # step() waits for nobody: ranks drift apart
+
+    def _make_engine(self, params) -> BoxEngine:
+        engine = BoxEngine(self.topology, params, type(self).__name__)
+        self.box, self.local, self._slot = engine.box, engine.local, engine.slot
+        return engine
 
     @collective("global_parameters()")  # one-sided, but it waits for every owner
     def global_parameters(self) -> List[torch.Tensor]:
@@ -137,17 +151,11 @@ class BoxMode(SyncMode):
         """Set ``W_g`` from a checkpoint's model; each rank's replica stays as loaded. Collective."""
         self.load_global_parameters([state_dict[name] for name in self._trained_names()], replicas=False)
 
-    def _route_phases(self, fn) -> None:
-        pass  # the step reports its own phases through self.on_phase
-
     def _timed(self, start: float) -> None:
         """Report the time since ``start`` as ``"intra"`` (every owner on this node) or ``"inter"``."""
-        if self._on_phase is not None:
+        if self.on_phase is not None:
             phase = "intra" if len(self.box.node_owners) == len(self.box.owners) else "inter"
-            self._on_phase(phase, start, time.perf_counter())
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({type(self.optimizer).__name__}, {self.box})"
+            self.on_phase(phase, start, time.perf_counter())
 
 
 class ElasticSGD(BoxMode):
@@ -160,7 +168,6 @@ class ElasticSGD(BoxMode):
     """
 
     name = "elastic"
-    config_fields = ("alpha", "tau")
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, alpha=0.2, tau=1,
                  broadcast=True, stall_timeout=None, stall_abort=None, stall_abort_after=None):
@@ -192,10 +199,10 @@ class ElasticSGD(BoxMode):
         self._binding.scatter()
         self._timed(start)
 
-    def _teardown(self) -> None:
+    def _close(self) -> None:
         self._finish_round()
         self.topology.comm.Barrier()  # every rank's last delta is in W_g before anyone frees it
-        super()._teardown()
+        super()._close()
 
 
 class AsyncSGD(BoxMode):
@@ -206,7 +213,6 @@ class AsyncSGD(BoxMode):
     """
 
     name = "async"
-    config_fields = ()
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, broadcast=True,
                  stall_timeout=None, stall_abort=None, stall_abort_after=None):
@@ -230,6 +236,6 @@ class AsyncSGD(BoxMode):
         self._binding.scatter()
         self._timed(start)
 
-    def _teardown(self) -> None:
+    def _close(self) -> None:
         self.topology.comm.Barrier()  # every rank's last change is in W_g before anyone frees it
-        super()._teardown()
+        super()._close()

@@ -1,0 +1,76 @@
+"""``InnerOptimizer``: a ``torch.optim.Optimizer`` whose groups, state and defaults are another's.
+
+A mode wraps the user's optimizer by composition, yet torch's LR schedulers,
+``GradScaler`` and optimizer hooks must take the mode itself. This class is
+that surface: ``param_groups``, ``state`` and ``defaults`` are the inner
+optimizer's own objects (an LR set through either is seen by both), and the
+state-dict hooks registered on the wrapper run around the inner state dict,
+which carries the step count as ``"hsgd_steps"``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..errors import InputValueError
+
+__all__ = ["InnerOptimizer"]
+
+
+class InnerOptimizer(torch.optim.Optimizer):
+    """The optimizer surface over ``self.optimizer``; the subclass sets ``optimizer`` and ``num_steps``."""
+
+    optimizer: torch.optim.Optimizer
+    num_steps: int
+
+    def _init_optimizer_hooks(self) -> None:
+        """What ``torch.optim.Optimizer.__init__`` sets up for hooks (that one would also
+        copy the parameter groups: ours are the inner optimizer's)."""
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()  # step() runs the step pre- and post-hooks
+
+    @property
+    def param_groups(self):
+        """The inner optimizer's list itself: an LR set through either is seen by both."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise InputValueError(f"{type(self).__name__} binds its parameters at construction; add the "
+                              "group to the inner optimizer before wrapping it")
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's state dict, plus ``"hsgd_steps"`` (the step count).
+        Runs the state-dict hooks registered on this optimizer."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state = self.optimizer.state_dict()
+        state["hsgd_steps"] = self.num_steps
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state)
+            state = state if result is None else result
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        state_dict = dict(state_dict)
+        self.num_steps = int(state_dict.pop("hsgd_steps", 0))
+        self.optimizer.load_state_dict(state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)

@@ -1,0 +1,137 @@
+"""The hierarchical family's engine, and the base of its modes.
+
+:class:`HierarchicalEngine` is a shared window with two-level averaging
+(:class:`~hsgd.hierarchical.averager.HierarchicalAverager`), the trained
+gradients (``bind="grad"``) or parameters (``"data"``) bound to this rank's
+slot (:class:`~hsgd._engine.binding.SlotBinding`) and, for
+``HierarchicalSGD(overlap=True)``, the averaging of gradient buckets during
+backward (:class:`~hsgd._engine.overlap.BackwardOverlap`).
+
+:class:`HierarchicalMode` is what :class:`~hsgd.HierarchicalSGD` and
+:class:`~hsgd.HierarchicalLocalSGD` share: the inter-node strategy and the
+compression of its sums, checked with the mode's own settings.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, List, Optional
+
+import torch
+
+from .._core.agree import collective_error
+from .._core.checks import check_choice
+from .._engine.binding import SlotBinding
+from .._engine.engine import Engine
+from .._engine.mode import SyncMode
+from .._engine.overlap import BackwardOverlap
+from ..compression import COMPRESSIONS
+from ..errors import InputTypeError
+from ..inter_node import STRATEGIES
+from ..intra_node import Layout
+from .averager import HierarchicalAverager
+
+__all__ = ["HierarchicalEngine", "HierarchicalMode"]
+
+
+def _layout(params, bind: str) -> Layout:
+    """One segment entry per parameter, plus the used-flags when gradients are bound."""
+    specs = [(p.dtype, p.numel()) for p in params]
+    if bind == "grad":
+        specs.append((torch.float32, len(params)))
+    try:
+        return Layout(specs)
+    except InputTypeError as exc:  # same dtypes on every rank, so the same error
+        raise collective_error(InputTypeError, str(exc)) from None
+
+
+class HierarchicalEngine(Engine):
+    """The averager, the binding and (optionally) the backward overlap. Collective to build.
+
+    Attributes:
+        averager: the :class:`~hsgd.hierarchical.averager.HierarchicalAverager`.
+        binding: the :class:`~hsgd._engine.binding.SlotBinding` of ``params``.
+        overlap: the :class:`~hsgd._engine.overlap.BackwardOverlap`, or ``None``.
+    """
+
+    def __init__(self, topology, params: List[torch.nn.Parameter], bind: str, inter_node: str,
+                 compression: Optional[str]):
+        self.averager = HierarchicalAverager(topology, _layout(params, bind), inter_node, compression)
+        self.overlap: Optional[BackwardOverlap] = None
+        try:
+            self.binding = SlotBinding(self.averager, params, bind, flags=bind == "grad")
+        except BaseException:
+            self.averager.close()
+            raise
+        self._opened()
+
+    def start_overlap(self, **kwargs) -> None:
+        """Average the bound gradients in buckets during backward (:class:`BackwardOverlap`'s
+        arguments but the averager and the binding). Collective."""
+        self.overlap = BackwardOverlap(self.averager, self.binding, **kwargs)
+
+    def average(self, level: str, weight: float, passes: int = 1) -> None:
+        """Every rank's bound tensors := the ``level`` mean of ``weight`` x them, / ``passes``."""
+        self.binding.gather()
+        if weight != 1.0:
+            self.binding.scale_(weight)
+        self.averager.average(level, 1.0 / passes)
+        self.binding.scatter()
+
+    @property
+    def on_phase(self):
+        return self.averager.on_phase
+
+    @on_phase.setter
+    def on_phase(self, fn) -> None:
+        self.averager.on_phase = fn
+
+    @property
+    def traffic(self):
+        return self.averager.traffic
+
+    def describe(self) -> str:
+        compression = self.averager.inter.compression
+        return f"inter_node={self.averager.inter_node!r}" + \
+            ("" if compression == "none" else f", compression={compression!r}")
+
+    def _close(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
+            self.overlap = None
+        self.binding.unbind()
+        self.averager.close()
+
+
+class HierarchicalMode(SyncMode):
+    """The base of the hierarchical modes: ``inter_node`` and ``compression`` besides the
+    mode's own settings (see :class:`~hsgd._engine.mode.SyncMode` for the others).
+
+    Args:
+        inter_node: ``"leader"`` or ``"sharded"`` (see :mod:`hsgd.inter_node`).
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: the inter-node sums in 16 bits
+            (:mod:`hsgd.compression`).
+    """
+
+    bind: ClassVar[str] = "grad"
+
+    def __init__(self, optimizer, model=None, *, inter_node="leader", compression=None, settings, **common):
+        self.inter_node = inter_node
+        self.compression = None if compression == "none" else compression
+        super().__init__(optimizer, model, settings={"inter_node": inter_node, "compression": compression,
+                                                     **settings}, **common)
+
+    def _check(self, inter_node, compression, **settings) -> None:
+        check_choice("inter_node", inter_node, STRATEGIES)
+        check_choice("compression", "none" if compression is None else compression, COMPRESSIONS)
+        self._check_own(**settings)
+
+    def _check_own(self, **settings) -> None:
+        """Raise an :class:`~hsgd.errors.InputError` for a bad setting of this mode."""
+
+    def _make_engine(self, params) -> HierarchicalEngine:
+        return HierarchicalEngine(self.topology, params, self.bind, self.inter_node, self.compression)
+
+    @property
+    def averager(self) -> HierarchicalAverager:
+        """The engine's two-level averager."""
+        return self.engine.averager
