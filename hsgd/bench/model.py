@@ -64,7 +64,16 @@ import math
 from pathlib import Path
 
 from . import _costs
-from ._harness import Progress, Result, Table, add_repeat_options, int_at_least, median, positive_float
+from ._harness import (
+    Progress,
+    Result,
+    Table,
+    add_repeat_options,
+    int_at_least,
+    median,
+    non_negative_float,
+    positive_float,
+)
 from ._launch import add_hosts_options, check_hosts_options, placement, run_workers
 from ._links import link_rates, on_hosts
 from ._model_worker import HOST_MEASURED, MEASURED, worker  # noqa: F401 (worker: what every rank runs)
@@ -98,11 +107,11 @@ def add_arguments(p) -> None:
                    help="a node's memory bandwidth, bytes/s, shared by its ranks in level 1 (default: no cap)")
     p.add_argument("--gossip-rate", type=_fraction, default=1.0,
                    help="fraction of gossip rounds in which a rank sends its model (1: every step)")
-    p.add_argument("--intra-latency", type=_non_negative, default=None,
+    p.add_argument("--intra-latency", type=non_negative_float, default=None,
                    help="latency of one round of a level-1 fence, s (default: measured here)")
     p.add_argument("--intra-bandwidth", type=positive_float, default=None,
                    help="one rank's slot-to-slot copy rate in level 1, bytes/s (default: measured here)")
-    p.add_argument("--local-latency", type=_non_negative, default=None,
+    p.add_argument("--local-latency", type=non_negative_float, default=None,
                    help="latency of an MPI message inside a node, s (default: measured here)")
     p.add_argument("--local-bandwidth", type=positive_float, default=None,
                    help="MPI bandwidth between two ranks of a node, bytes/s (default: measured here)")
@@ -121,16 +130,6 @@ def _fraction(text: str) -> float:
     value = positive_float(text)
     if value > 1:
         raise argparse.ArgumentTypeError(f"{text} is a fraction of the rounds: use a number in (0, 1]")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
     return value
 
 
