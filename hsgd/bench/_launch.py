@@ -87,9 +87,10 @@ def add_hosts_options(p) -> None:
     group.add_argument("--master-addr", dest="_master", default=None, help=argparse.SUPPRESS)  # gloo's, by run
 
 
-def check_hosts_options(args, parser) -> None:
-    """``parser.error()`` for bad ``--hosts``/``--link``/``--ranks-per-host``; sets
-    ``args.link_rates`` and ``args.host_ranks`` (lists, one per host) when ``--hosts`` is set."""
+def check_hosts_options(args, parser, min_ranks: int = 1, why: str = "") -> None:
+    """``parser.error()`` for bad ``--hosts``/``--link``/``--ranks-per-host`` (fewer than
+    ``min_ranks`` ranks in all: ``why`` says why they are needed); sets ``args.link_rates`` and
+    ``args.host_ranks`` (lists, one per host) when ``--hosts`` is set."""
     if args.hosts == 0:
         return
     if not 1 <= args.hosts <= MAX_HOSTS:
@@ -113,6 +114,8 @@ def check_hosts_options(args, parser) -> None:
         parser.error(f"argument --ranks-per-host: {args.ranks_per_host!r} is not K or K1,K2,...")
     if any(k < 0 for k in args.host_ranks) or sum(args.host_ranks) == 0:
         parser.error("argument --ranks-per-host: counts >= 0, at least one rank in all")
+    if sum(args.host_ranks) < min_ranks:
+        parser.error(f"argument --ranks-per-host: {min_ranks} ranks or more in all{why}")
 
 
 @contextlib.contextmanager
