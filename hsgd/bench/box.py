@@ -63,9 +63,7 @@ def add_arguments(p) -> None:
 
 
 def check(args, extra, parser) -> None:
-    check_hosts_options(args, parser)
-    if args.hosts and sum(args.host_ranks) < 2:
-        parser.error("argument --ranks-per-host: the box needs 2 ranks or more (a server and a worker)")
+    check_hosts_options(args, parser, min_ranks=2, why=" (a server and a worker)")
 
 
 def run(args, extra) -> Result:

@@ -30,14 +30,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from ..hosts import _launcher
 from ._harness import Progress, Result, Table, int_at_least
-from ._launch import add_hosts_options, check_hosts_options, kill_tree, mpi_command, mpi_env, mpi_flavour, placement
+from ._launch import add_hosts_options, check_hosts_options, job, placement
 
 LOOP = """
 import os, sys, time, torch
@@ -96,7 +96,7 @@ def run(args, extra) -> Result:
                         "seconds": seconds, "left": left, "test": test})
             progress.step(key)
         ranks = f"{args.ranks} ranks" if where is None else where.describe()
-    flavour = "Open MPI" if mpi_flavour() == "openmpi" else "MPICH"
+    flavour = "Open MPI" if _launcher.mpi_flavour() == "openmpi" else "MPICH"
     table = Table(COLUMNS, title=f"{ranks}, {flavour}")
     for r in raw:
         table.rows.append([r["fault"], r["injected"], str(r["exit"]), r["said"], f"{r['seconds']:.1f}",
@@ -156,22 +156,13 @@ class Jobs:
         return result
 
     def _start(self, argv, env=None):
-        if self.where is None:
-            cmd, env = mpi_command(self.ranks, argv), mpi_env(env)
-        else:
-            hosts = self.where.hosts
-            cmd = hosts.mpi_command([sys.executable, *argv], self.where.ranks_per_host)
-            env = mpi_env({**hosts.tcp_env(), **(env or {})})
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)
+        return _launcher.start(*job(argv, self.ranks, self.where, env))
 
     def _finish(self, proc, start, before):
         try:
-            _, err = proc.communicate(timeout=JOB_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            _, err = proc.communicate()
-            err += f"\n(HUNG: killed after {JOB_TIMEOUT_S} s)"
+            _, err = _launcher.wait(proc, JOB_TIMEOUT_S)
+        except _launcher.JobHung as hung:
+            err = hung.err + f"\n(HUNG: killed after {JOB_TIMEOUT_S} s)"
         seconds = time.monotonic() - start
         time.sleep(1.0)  # killed ranks finish dying
         return proc.returncode, err, seconds, _new_files(before)

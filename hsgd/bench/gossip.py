@@ -65,9 +65,7 @@ def add_arguments(p) -> None:
 
 
 def check(args, extra, parser) -> None:
-    check_hosts_options(args, parser)
-    if args.hosts and sum(args.host_ranks) < 2:
-        parser.error("argument --ranks-per-host: 2 ranks or more in all (gossip needs peers)")
+    check_hosts_options(args, parser, min_ranks=2, why=" (gossip needs peers)")
     if "--balance" in extra:
         parser.error("--balance would go to every run, gossip included, which cannot balance: "
                      "use --sync-balance for a --sync sync --balance run")

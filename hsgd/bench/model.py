@@ -63,21 +63,23 @@ import argparse
 import math
 from pathlib import Path
 
-import numpy as np
-
 from . import _costs
-from ._harness import Progress, Result, Table, add_repeat_options, int_at_least, median, positive_float
+from ._harness import (
+    Progress,
+    Result,
+    Table,
+    add_repeat_options,
+    int_at_least,
+    median,
+    non_negative_float,
+    positive_float,
+)
 from ._launch import add_hosts_options, check_hosts_options, placement, run_workers
 from ._links import link_rates, on_hosts
+from ._model_worker import HOST_MEASURED, MEASURED, worker  # noqa: F401 (worker: what every rank runs)
 
 #: The largest single inter-node sum (``hsgd.inter_node.CHUNK_BYTES``, which imports MPI).
 CHUNK_BYTES = 4 << 20
-#: Floats of the two calibration sizes: 4 KiB (latency) and 16 MiB (bandwidth) in float32.
-CALIBRATION_SIZES = (1024, 4 << 20)
-#: The configurations ``--validate`` measures, by the job's rank count: (nodes, ranks per node).
-VALIDATION = {2: ((1, 2), (2, 1)), 4: ((1, 4), (2, 2))}
-MEASURED = ("flat ring", "leader", "sharded")  # MPI Allreduce is the flat ring
-HOST_MEASURED = _costs.STRATEGIES  # across emulated hosts: every strategy
 STYLES = ("o-", "s-", "x--", "^-", "d-")  # one per strategy; sharded dashed over leader, often equal
 #: The node's parameters, measured here unless given (``--intra-latency`` ...).
 HERE = ("intra_latency", "intra_bandwidth", "local_latency", "local_bandwidth")
@@ -105,11 +107,11 @@ def add_arguments(p) -> None:
                    help="a node's memory bandwidth, bytes/s, shared by its ranks in level 1 (default: no cap)")
     p.add_argument("--gossip-rate", type=_fraction, default=1.0,
                    help="fraction of gossip rounds in which a rank sends its model (1: every step)")
-    p.add_argument("--intra-latency", type=_non_negative, default=None,
+    p.add_argument("--intra-latency", type=non_negative_float, default=None,
                    help="latency of one round of a level-1 fence, s (default: measured here)")
     p.add_argument("--intra-bandwidth", type=positive_float, default=None,
                    help="one rank's slot-to-slot copy rate in level 1, bytes/s (default: measured here)")
-    p.add_argument("--local-latency", type=_non_negative, default=None,
+    p.add_argument("--local-latency", type=non_negative_float, default=None,
                    help="latency of an MPI message inside a node, s (default: measured here)")
     p.add_argument("--local-bandwidth", type=positive_float, default=None,
                    help="MPI bandwidth between two ranks of a node, bytes/s (default: measured here)")
@@ -128,16 +130,6 @@ def _fraction(text: str) -> float:
     value = positive_float(text)
     if value > 1:
         raise argparse.ArgumentTypeError(f"{text} is a fraction of the rounds: use a number in (0, 1]")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
     return value
 
 
@@ -366,171 +358,6 @@ def _bytes_match(row, name) -> str:
     slack = -(-4 * row["numel"] // CHUNK_BYTES)
     same = all(abs(counted[key] - expected[key]) <= slack for key in expected)
     return "yes" if same else f"no: hsgd counted {counted}, model {expected}"
-
-
-def _validate_numels(args):
-    return [-(-int(s) // 64) * 64 for s in args.validate_sizes]
-
-
-def worker(args):
-    """On every rank: the calibration (2 ranks) and ``--validate``'s configurations for this rank
-    count, or (``--job hosts``) the network and the configurations across the emulated hosts;
-    rank 0 returns every repeat's time and its traffic per average."""
-    import torch
-    from mpi4py import MPI
-
-    from .allreduce import hsgd_times, mpi_times
-
-    torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
-    if args._job == "hosts":
-        return _hosts_worker(comm, args)
-    out = {"ranks": comm.size, "calibration": None, "validation": []}
-    if comm.size == 2:
-        out["calibration"] = {"sizes": list(CALIBRATION_SIZES),
-                              "level1": [hsgd_times(comm, n, args)[0] for n in CALIBRATION_SIZES],
-                              "mpi": [mpi_times(comm, n, args) for n in CALIBRATION_SIZES]}
-    for nodes, k in (VALIDATION[comm.size] if args.validate and not on_hosts(args) else ()):
-        for n in _validate_numels(args):
-            out["validation"].append(_measure(comm, n, nodes, k, args, MEASURED, None if nodes == 1 else k))
-    return out
-
-
-def _measure(comm, n, nodes, k, args, strategies, ranks_per_node=None, ring=False) -> dict:
-    """Every repeat's time of each of ``strategies`` on ``comm`` (``nodes`` x ``k`` ranks), and
-    hsgd's traffic per average; the flat ring is ``MPI_Allreduce``, or with ``ring`` a ring
-    (:func:`_ring_times`), and then ``MPI_Allreduce`` too (``"MPI Allreduce"``, not modelled).
-    Collective over ``comm``."""
-    from .allreduce import hsgd_times, mpi_times
-
-    row = {"nodes": nodes, "ranks_per_node": k, "numel": n, "times": {}, "traffic": {}}
-    for name in strategies:
-        if name == "flat ring" and ring:
-            row["times"][name] = _ring_times(comm, n, args)
-        elif name == "flat ring":
-            row["times"][name] = mpi_times(comm, n, args)
-        elif name in ("leader", "sharded"):
-            row["times"][name], row["traffic"][name] = hsgd_times(comm, n, args, ranks_per_node=ranks_per_node,
-                                                                  inter_node=name)
-        elif name == "gossip":
-            row["times"][name] = _gossip_times(comm, n, args)
-        else:
-            row["times"][name] = _box_times(comm, n, args)
-    if ring:
-        row["times"]["MPI Allreduce"] = mpi_times(comm, n, args)
-    return row
-
-
-def _ring_times(comm, n, args):
-    """Every repeat's slowest-rank seconds of a ring allreduce of ``n`` float32 (the model's
-    flat ring: p-1 steps of reduce-scatter, p-1 of allgather, each a ``Sendrecv`` of about
-    ``n / p`` to the next rank). ``MPI_Allreduce`` is not one: MPICH folds a party count that
-    is not a power of two onto one that is (:mod:`hsgd._transport.sums`). Collective."""
-    from .allreduce import _timed
-
-    p, rank = comm.Get_size(), comm.Get_rank()
-    buf = np.ones(n, np.float32)
-    blocks = np.array_split(buf, p)
-    scratch = np.empty(blocks[0].size, np.float32)
-    right, left = (rank + 1) % p, (rank - 1) % p
-
-    def ring():
-        for step in range(p - 1):  # reduce-scatter: block (rank - step - 1) arrives and is added
-            out, into = blocks[(rank - step) % p], blocks[(rank - step - 1) % p]
-            comm.Sendrecv(out, right, 0, scratch[:into.size], left, 0)
-            into += scratch[:into.size]
-        for step in range(p - 1):  # allgather: the finished block (rank + 1 - step) goes around
-            comm.Sendrecv(blocks[(rank + 1 - step) % p], right, 1, blocks[(rank - step) % p], left, 1)
-    return _timed(comm, ring, args)
-
-
-def _gossip_times(comm, n, args):
-    """Every repeat's slowest-rank seconds per step of :class:`hsgd.GossipSGD` (exponential graph,
-    every round sending) on a model of ``n`` float32, learning rate 0. A repeat is one cycle of
-    the graph's rounds (each round's peers are another distance away, so its step costs
-    another time), divided by the round count: the model's mean over the rounds. The warm-up
-    is at least one cycle. Collective."""
-    import argparse
-
-    import torch
-
-    from hsgd import GossipSGD, Topology
-
-    from .allreduce import _timed
-
-    weights = torch.nn.Parameter(torch.ones(n))
-    weights.grad = torch.zeros(n)
-    with Topology.from_comm(comm) as topo, \
-            GossipSGD(torch.optim.SGD([weights], lr=0.0), named_parameters=[("w", weights)], topology=topo,
-                      graph="exponential", theta=0.0) as opt:
-        rounds = len(opt.graph.distances)
-
-        def cycle():
-            for _ in range(rounds):
-                opt.step()
-        cycles = argparse.Namespace(repeats=args.repeats, warmup=max(1, args.warmup))
-        return [t / rounds for t in _timed(comm, cycle, cycles)]
-
-
-def _box_times(comm, n, args):
-    """Every repeat's slowest-rank seconds of what an :class:`hsgd.AsyncSGD` step moves: every rank
-    accumulates ``n`` float32 into a :class:`hsgd.RemoteMemory` sharded over the nodes' first
-    ranks, then reads it back, all ranks at once. Collective."""
-    import torch
-
-    from hsgd import RemoteMemory
-
-    from .allreduce import _timed
-
-    with RemoteMemory(comm, n) as mem:
-        delta, weights = torch.full((n,), -1e-3), torch.empty(n)
-
-        def update():
-            mem.accumulate(0, delta)
-            mem.read(0, weights)
-        times = _timed(comm, update, args)
-        comm.Barrier()  # every rank has stopped before the region is freed
-    return times
-
-
-def _wait_idle(comm, poll: float = 1e-3) -> None:
-    """A barrier that sleeps between tests instead of spinning (4 ranks share 2 cores here)."""
-    import time
-
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(poll)
-
-
-def _hosts_worker(comm, args):
-    """Across the emulated hosts (the hosts are the nodes): the network between the hosts' first
-    ranks, then (``--validate``) every strategy on N x 1 (those ranks) and N x k (all)."""
-    from mpi4py import MPI
-
-    from .allreduce import _timed
-
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-    k, first = node.size, node.rank == 0
-    node.Free()
-    leaders = comm.Split(0 if first else MPI.UNDEFINED, key=comm.rank)
-    out = {"network": None, "validation": []}
-    if first:
-        nodes = leaders.size
-        times = []
-        for n in CALIBRATION_SIZES:
-            send, recv = np.ones(n, np.float32), np.empty(n, np.float32)
-            right, left = (leaders.rank + 1) % nodes, (leaders.rank - 1) % nodes
-            times.append(_timed(leaders, lambda s=send, r=recv, to=right, fro=left: leaders.Sendrecv(
-                s, to, 0, r, fro, 0), args))
-        out["network"] = {"sizes": list(CALIBRATION_SIZES), "times": times}
-        for n in (_validate_numels(args) if args.validate else ()):
-            out["validation"].append(_measure(leaders, n, nodes, 1, args, HOST_MEASURED, ring=True))
-        leaders.Free()
-    _wait_idle(comm)  # the others wait, off the cores the first ranks' TCP needs
-    nodes = comm.allreduce(1 if first else 0)
-    for n in (_validate_numels(args) if args.validate and k > 1 else ()):
-        out["validation"].append(_measure(comm, n, nodes, k, args, HOST_MEASURED, ring=True))
-    return out
 
 
 # --- the picture --------------------------------------------------------------------------------

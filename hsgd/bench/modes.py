@@ -59,9 +59,7 @@ def add_arguments(p) -> None:
 
 
 def check(args, extra, parser) -> None:
-    check_hosts_options(args, parser)
-    if args.hosts and sum(args.host_ranks) < 2:
-        parser.error("argument --ranks-per-host: 2 ranks or more in all (a straggler and another rank)")
+    check_hosts_options(args, parser, min_ranks=2, why=" (a straggler and another rank)")
 
 
 def run(args, extra) -> Result:

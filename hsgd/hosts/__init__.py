@@ -8,7 +8,11 @@ each host has its own network namespace, hostname (a UTS namespace) and
 address, and reaches the others through a link shaped to a given rate and a
 bridge (:mod:`hsgd.hosts._net`). MPI starts ranks on them through MPICH's
 hydra or Open MPI's PRRTE, with TCP forced between hosts
-(:mod:`hsgd.hosts._mpi`); the links' byte counters show what crossed.
+(:mod:`hsgd.hosts._mpi`); the links' byte counters show what crossed. The
+``mpiexec`` used by default and its flavour come from
+:mod:`hsgd.hosts._launcher`, the launcher that :mod:`hsgd.bench` and the
+tests start their jobs with on this host (this package imports nothing from
+:mod:`hsgd.bench`, which builds on it).
 
 Example (as root)::
 
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Union
 
 from . import _net
+from ._launcher import mpi_flavour, mpiexec
 from ._mpi import launch_command, tcp_env, write_rsh
 from ._net import HostsError, HostsUnavailable, format_rate, missing_capability, parse_rate
 
@@ -107,8 +112,6 @@ class EmulatedHosts:
         ``ranks_per_host`` ranks on every host (or ``ranks_per_host[i]`` on host ``i``).
         ``launcher``: an MPICH or Open MPI ``mpiexec`` (default: the one next to this Python,
         else PATH's). Run it with :meth:`tcp_env` in its environment."""
-        from ..bench._launch import mpi_flavour, mpiexec
-
         self._check_open()
         counts = [ranks_per_host] * len(self.hosts) if isinstance(ranks_per_host, int) else list(ranks_per_host)
         if len(counts) != len(self.hosts) or any(isinstance(k, bool) or not isinstance(k, int) or k < 0
@@ -121,9 +124,7 @@ class EmulatedHosts:
     def tcp_env(self, launcher: Optional[str] = None) -> Dict[str, str]:
         """Environment variables that keep the MPI's bytes between the hosts on TCP (add them to
         the job's environment); see :mod:`hsgd.hosts._mpi`."""
-        from ..bench._launch import mpi_flavour
-
-        return tcp_env(mpi_flavour(launcher) if launcher else mpi_flavour())
+        return tcp_env(mpi_flavour(launcher))
 
     def exec_command(self, host: int, args: Sequence[str]) -> List[str]:
         """A command line that runs ``args`` on host ``host`` (its namespaces), from this machine."""

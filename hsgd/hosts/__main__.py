@@ -20,6 +20,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from . import MAX_HOSTS, EmulatedHosts, HostsError, HostsUnavailable, format_rate, parse_rate
+from ._launcher import mpi_flavour, root_env
 from ._net import STATE_ROOT, stale_runs, teardown
 
 __all__ = ["main"]
@@ -89,9 +90,7 @@ def _run(args, parser) -> int:
     with hosts:
         cmd = hosts.mpi_command(program, counts, launcher=args.mpiexec)
         tcp = hosts.tcp_env(args.mpiexec)
-        env = {**os.environ, **tcp}
-        if os.geteuid() == 0 and "OMPI_MCA_pml" in tcp:  # Open MPI refuses root without these
-            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        env = {**os.environ, **tcp, **root_env(mpi_flavour(args.mpiexec))}  # Open MPI, as root
         forced = " ".join(f"{k}={v}" for k, v in tcp.items())
         print(f"hsgd.hosts: {len(hosts)} hosts, ranks {'+'.join(map(str, counts))}, TCP forced ({forced})",
               file=sys.stderr)

@@ -137,7 +137,7 @@ def test_model_predicts_without_measuring_and_draws(tmp_path):
     (["train", "--period", "3"], "argument --period: 3 is odd"),
     (["stall", "--hosts", "2", "--link", "fast"], "argument --link: invalid link rate 'fast'"),
     (["box", "--hosts", "3", "--ranks-per-host", "1,2"], "argument --ranks-per-host: 2 values for 3 hosts"),
-    (["box", "--hosts", "2", "--ranks-per-host", "1,0"], "the box needs 2 ranks or more"),
+    (["box", "--hosts", "2", "--ranks-per-host", "1,0"], "2 ranks or more in all (a server and a worker)"),
     (["model", "--hosts", "2", "--ranks-per-host", "1,2"], "the model has the same ranks on every node"),
     (["model", "--hosts", "1"], "the network is measured between hosts: use 2 or more"),
     (["gossip", "--balance"], "use --sync-balance"),

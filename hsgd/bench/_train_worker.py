@@ -1,0 +1,282 @@
+"""Under ``mpiexec`` for ``python -m hsgd.bench train``: the workloads, the methods, the timed steps.
+
+:func:`worker` runs on every rank of the jobs :mod:`hsgd.bench.train`
+starts (:func:`hsgd.bench._launch.run_per_rank_count`). For each workload
+(:func:`_model`: the widened MNIST-1D MLP, the trainer's CNN, ``deep``,
+``mlp2m``) every method gets its own copy of the model, seeded alike, and the
+same batches (:func:`_batches`), with SGD (lr 0.01, momentum 0.9) under its
+wrapper (:class:`_Method`): on this host the methods of :func:`_methods`
+(no comm, hsgd on one node and on 2 virtual nodes, DDP, Horovod, local SGD
+beside torch's averagers), across emulated hosts those of
+:func:`_host_methods` (with :class:`_FlatAllreduce`, one ``MPI_Allreduce`` of
+all gradients). Each repeat runs ``--steps`` steps of every method in a
+rotating order, timed on the slowest rank after a barrier, across hosts with
+what crossed each link (:class:`hsgd.bench._links.LinkMeter`); then bare
+averages of hsgd's gradient buffer, as many as steps were timed, are timed
+as ``python -m hsgd.bench allreduce`` times them. Rank 0 returns one row per
+workload for the tables of :mod:`hsgd.bench.train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import OrderedDict
+
+from ._harness import median
+from ._links import LinkMeter, init_gloo, link_rates, on_hosts, wire_limit
+
+__all__ = ["worker"]
+
+DEEP_LAYERS, DEEP_WIDTH = 8, 1024  # 'deep': 8 hidden layers of 1024, 7.4M parameters in 18 tensors
+MLP2M = (1000, 1000, 1000, 10)  # 'mlp2m': issue 23's MLP, 2.0M parameters
+MLP_HIDDEN = 2950  # 40*2950 + 2950*2950 + 2950*10 weights: 8.85M parameters with the biases
+SAMPLE, CLASSES = (40,), 10  # MNIST-1D
+
+
+def _model(workload: str):
+    import torch
+
+    from hsgd._trainer.models import MLP, build_model
+
+    torch.manual_seed(0)
+    if workload == "mlp":
+        return MLP(SAMPLE[0], CLASSES, hidden=MLP_HIDDEN)
+    if workload == "mlp2m":
+        sizes = MLP2M
+        layers = [m for a, b in zip(sizes[:-2], sizes[1:-1]) for m in (torch.nn.Linear(a, b), torch.nn.ReLU())]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(*sizes[-2:]))
+    if workload == "deep":
+        widths = [SAMPLE[0]] + [DEEP_WIDTH] * DEEP_LAYERS
+        layers = [m for a, b in zip(widths, widths[1:]) for m in (torch.nn.Linear(a, b), torch.nn.ReLU())]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(DEEP_WIDTH, CLASSES))
+    return build_model("cnn", SAMPLE, CLASSES)
+
+
+class _Method:
+    """One method's model, optimizer and wrapper; ``step(i)`` trains on batch ``i``."""
+
+    def __init__(self, workload, batches, wrap, after_step=None, model_wrap=None):
+        import torch
+
+        self.model = _model(workload)
+        self.net = self.model if model_wrap is None else model_wrap(self.model)
+        inner = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.opt = wrap(inner, self.model)
+        self.after_step, self.batches = after_step, batches
+        self.loss = torch.nn.CrossEntropyLoss()
+
+    def step(self, i: int) -> None:
+        x, y = self.batches[i % len(self.batches)]
+        self.opt.zero_grad()
+        self.loss(self.net(x), y).backward()
+        self.opt.step()
+        if self.after_step is not None:
+            self.after_step(self.model)
+
+    def close(self) -> None:
+        if hasattr(self.opt, "close"):
+            self.opt.close()
+
+
+def _methods(workload, batches, comm, topologies, period, local: bool, skipped: list):
+    """The methods in order (the same on every rank; building them is collective)."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+        HierarchicalModelAverager,
+    )
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hsgd import HierarchicalLocalSGD, HierarchicalSGD
+
+    plain = lambda inner, model: inner  # noqa: E731
+    made = OrderedDict()
+    made["no comm"] = _Method(workload, batches, plain)
+    made["hsgd"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(o, m, topology=topologies[1]))
+    made["hsgd overlap"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+        o, m, topology=topologies[1], overlap=True))
+    if 2 in topologies:
+        for how in ("leader", "sharded"):
+            made[f"hsgd {how} 2n"] = _Method(workload, batches, lambda o, m, how=how: HierarchicalSGD(
+                o, m, topology=topologies[2], inter_node=how))
+        made["hsgd overlap sharded 2n"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+            o, m, topology=topologies[2], inter_node="sharded", overlap=True))
+    for name, view in (("DDP", False), ("DDP bucket view", True)):
+        made[name] = _Method(workload, batches, plain, model_wrap=lambda m, view=view: DistributedDataParallel(
+            m, gradient_as_bucket_view=view))
+    horovod = _horovod(skipped)
+    if horovod is not None:
+        made["Horovod"] = _Method(workload, batches, lambda o, m: _horovod_optimizer(horovod, o, m))
+    if local:
+        made["hsgd local"] = _Method(workload, batches, lambda o, m: HierarchicalLocalSGD(
+            o, m, topology=topologies[1], intra_period=period, inter_period=1))
+        flat = PeriodicModelAverager(period=period, warmup_steps=0)
+        made["torch periodic"] = _Method(workload, batches, plain,
+                                         after_step=lambda m: flat.average_parameters(m.parameters()))
+        if 2 in topologies:
+            made["hsgd local 2n"] = _Method(workload, batches, lambda o, m: HierarchicalLocalSGD(
+                o, m, topology=topologies[2], intra_period=period // 2, inter_period=4))
+            tiers = HierarchicalModelAverager(OrderedDict([(period // 2, comm.size // 2), (2 * period, comm.size)]),
+                                              warmup_steps=0)
+            made["torch hierarchical"] = _Method(workload, batches, plain,
+                                                 after_step=lambda m: tiers.average_parameters(m.parameters()))
+    return made
+
+
+class _FlatAllreduce:
+    """``flat MPI``: after backward, one ``MPI_Allreduce`` of all gradients (flattened) over every
+    rank, the mean copied back, then the inner optimizer's step: the flat baseline."""
+
+    def __init__(self, inner, model, comm):
+        import torch
+
+        self.inner, self.comm, self.params = inner, comm, [p for p in model.parameters() if p.requires_grad]
+        self.flat = torch.zeros(sum(p.numel() for p in self.params))
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def step(self) -> None:
+        from mpi4py import MPI
+
+        offset = 0
+        for p in self.params:
+            self.flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        self.comm.Allreduce(MPI.IN_PLACE, self.flat.numpy(), op=MPI.SUM)
+        self.flat.mul_(1.0 / self.comm.size)
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(self.flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+        self.inner.step()
+
+
+def _host_methods(workload, batches, comm, topology, skipped: list):
+    """The methods across emulated hosts (the hosts are the nodes), in order; collective."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hsgd import HierarchicalSGD
+
+    plain = lambda inner, model: inner  # noqa: E731
+    made = OrderedDict()
+    made["no comm"] = _Method(workload, batches, plain)
+    made["hsgd"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(o, m, topology=topology))
+    for how in ("leader", "sharded"):
+        made[f"hsgd {how}"] = _Method(workload, batches, lambda o, m, how=how: HierarchicalSGD(
+            o, m, topology=topology, inter_node=how))
+    made["hsgd fp16"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+        o, m, topology=topology, compression="fp16"))
+    made["hsgd overlap"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+        o, m, topology=topology, overlap=True))
+    made["hsgd overlap 4MB"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+        o, m, topology=topology, overlap=True, bucket_cap_mb=4))
+    made["hsgd overlap sharded 4MB"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+        o, m, topology=topology, overlap=True, bucket_cap_mb=4, inter_node="sharded"))
+    for name, view in (("DDP", False), ("DDP bucket view", True)):
+        made[name] = _Method(workload, batches, plain, model_wrap=lambda m, view=view: DistributedDataParallel(
+            m, gradient_as_bucket_view=view))
+    made["flat MPI"] = _Method(workload, batches, lambda o, m: _FlatAllreduce(o, m, comm))
+    horovod = _horovod(skipped)
+    if horovod is not None:
+        made["Horovod"] = _Method(workload, batches, lambda o, m: _horovod_optimizer(horovod, o, m))
+    return made
+
+
+def _horovod(skipped: list):
+    """``horovod.torch`` initialized, or None (and why, in ``skipped``)."""
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        skipped.append(f"Horovod: skipped, horovod.torch does not import here ({exc})")
+        return None
+    hvd.init()
+    return hvd
+
+
+def _horovod_optimizer(hvd, inner, model):
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+
+
+def _batches(count, per_rank, rank, workload):
+    import torch
+
+    shape = (MLP2M[0],) if workload == "mlp2m" else SAMPLE
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randn(per_rank, *shape, generator=gen), torch.randint(0, CLASSES, (per_rank,), generator=gen))
+            for _ in range(count)]
+
+
+def worker(args):
+    """On every rank: each workload, every method; rank 0 returns one row per workload."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from hsgd import Topology
+
+    from .allreduce import _timed
+
+    comm = MPI.COMM_WORLD
+    hosts = on_hosts(args)
+    if hosts:  # the hosts are the nodes
+        topologies = {"hosts": Topology.from_comm(comm)}
+    else:
+        topologies = {1: Topology.from_comm(comm, ranks_per_node=comm.size)}
+        if comm.size % 2 == 0:
+            topologies[2] = Topology.from_comm(comm, ranks_per_node=comm.size // 2)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    local_size = next(iter(topologies.values())).local_size
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
+                          else max(1, len(os.sched_getaffinity(0)) // local_size))
+    init_gloo(args, comm, args._port)
+    meter = LinkMeter(comm) if hosts else None
+    rows = []
+    for workload in args.workloads:
+        per_rank = args.cnn_batch if workload == "cnn" else args.mlp_batch
+        skipped = []
+        batches = _batches(args.batches, per_rank, comm.rank, workload)
+        if hosts:
+            methods = _host_methods(workload, batches, comm, topologies["hosts"], skipped)
+        else:
+            methods = _methods(workload, batches, comm, topologies, args.period, args.local, skipped)
+        names = list(methods)
+        times = {name: [] for name in names}
+        crossed = {name: None for name in names}  # per host: (sent, received), summed over the timed repeats
+        step = 0
+        for round_ in range(args.warmup + args.repeats):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                comm.Barrier()
+                if meter is not None:
+                    meter.start()
+                start = time.perf_counter()
+                for i in range(step, step + args.steps):
+                    methods[name].step(i)
+                seconds = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+                moved = meter.stop() if meter is not None else None
+                if round_ >= args.warmup:
+                    times[name].append(seconds)
+                    if moved is not None:
+                        crossed[name] = [tuple(a + b for a, b in zip(c, m)) for c, m in
+                                         zip(crossed[name] or [(0, 0)] * len(moved), moved)]
+            step += args.steps
+        average = _timed(comm, methods["hsgd"].opt.averager.average,  # "global": over all ranks
+                         argparse.Namespace(repeats=args.repeats * args.steps, warmup=1))
+        numel = sum(p.numel() for p in methods["hsgd"].model.parameters())
+        for name in names:
+            methods[name].close()
+        row = {"workload": workload, "ranks": comm.size, "batch": per_rank, "numel": numel,
+               "threads": torch.get_num_threads(), "times": times, "average": average, "skipped": skipped}
+        if hosts:
+            floor = median(times["no comm"]) / args.steps
+            total = args.steps * args.repeats  # the steps the counters covered
+            row.update(crossed=crossed, timed_repeats=args.repeats,
+                       limits={n: wire_limit(c, link_rates(args), floor, total) for n, c in crossed.items()})
+        rows.append(row)
+    dist.destroy_process_group()
+    for topo in topologies.values():
+        topo.close()
+    return rows
