@@ -94,9 +94,21 @@ class BoxMode(SyncMode):
     lockstep = False  # step() waits for nobody: ranks drift apart
 
     def _make_engine(self, params) -> BoxEngine:
-        engine = BoxEngine(self.topology, params, type(self).__name__)
-        self.box, self.local, self._slot = engine.box, engine.local, engine.slot
-        return engine
+        return BoxEngine(self.topology, params, type(self).__name__)
+
+    @property
+    def box(self) -> RemoteMemory:
+        """``W_g``: the engine's region."""
+        return self.engine.box
+
+    @property
+    def local(self) -> torch.Tensor:
+        """``W_x``: this rank's flat replica; the parameters are views into it."""
+        return self.engine.local
+
+    @property
+    def _slot(self) -> FlatSlot:
+        return self.engine.slot
 
     @collective("global_parameters()")  # one-sided, but it waits for every owner
     def global_parameters(self) -> List[torch.Tensor]:

@@ -115,8 +115,7 @@ class GossipSGD(SyncMode):
 
     def _make_engine(self, params) -> GossipEngine:
         engine = GossipEngine(self.topology, params, self.graph_name, self.seed)
-        self.local, self.graph, self._slot = engine.local, engine.graph, engine.slot  # x: this rank's model
-        self.sent = self.local.clone()  # x_sent
+        self.sent = engine.local.clone()  # x_sent
         self.weight = 1.0
         self.sends = 0  # rounds in which this rank sent its model
         return engine
@@ -137,6 +136,20 @@ class GossipSGD(SyncMode):
         if self.on_phase is not None:
             self.on_phase("intra" if self.engine.same_node(set(outs) | set(ins)) else "inter",
                           start, time.perf_counter())
+
+    @property
+    def local(self) -> torch.Tensor:
+        """``x``: this rank's flat model; the parameters are views into it."""
+        return self.engine.local
+
+    @property
+    def graph(self):
+        """The peer graph (:mod:`hsgd.gossip.graphs`)."""
+        return self.engine.graph
+
+    @property
+    def _slot(self):
+        return self.engine.slot
 
     def triggered(self) -> bool:
         """Whether this rank's model moved enough since its last send to send it now."""
