@@ -45,11 +45,11 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
-from ._core.agree import agree
+from ._core.agree import check_all
 from ._core.checks import check_int
-from .errors import InputError, InputValueError
+from .errors import InputValueError
 
 __all__ = ["LoadBalancer", "balanced_shares"]
 
@@ -149,20 +149,7 @@ class LoadBalancer:
         check_int("repeats", repeats, minimum=1)
         big = self.loader.batch_size  # the mean batch, whatever the current shares
         small = max(1, big // 4)
-        error, fit = None, (0.0, 1.0)
-        try:
-            for size in (small, big):  # untimed: first-call costs (allocation, caching) out of the way
-                work(size)
-            times = {small: [], big: []}
-            for _ in range(repeats):
-                for size in (small, big):
-                    start = time.perf_counter()
-                    work(size)
-                    times[size].append(time.perf_counter() - start)
-            fit = _fit(small, statistics.median(times[small]), big, statistics.median(times[big]))
-        except InputError as exc:
-            error = exc
-        agree(self.comm, error)
+        fit = check_all(self.comm, _time_work, work, small, big, repeats)
         models = self.comm.allgather(fit)
         self.fixed, self.per_sample = [m[0] for m in models], [m[1] for m in models]
         return self._set()
@@ -198,6 +185,20 @@ class LoadBalancer:
         self.loader.set_shares(shares)
         self.apply_shares()
         return shares
+
+
+def _time_work(work: Callable[[int], object], small: int, big: int, repeats: int) -> Tuple[float, float]:
+    """The step-time model ``(fixed, per_sample)`` fitted to the median times of ``work(small)``
+    and ``work(big)`` over ``repeats``, after one untimed call of each."""
+    for size in (small, big):  # untimed: first-call costs (allocation, caching) out of the way
+        work(size)
+    times = {small: [], big: []}
+    for _ in range(repeats):
+        for size in (small, big):
+            start = time.perf_counter()
+            work(size)
+            times[size].append(time.perf_counter() - start)
+    return _fit(small, statistics.median(times[small]), big, statistics.median(times[big]))
 
 
 def _fit(small: int, t_small: float, big: int, t_big: float):

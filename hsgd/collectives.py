@@ -36,7 +36,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from ._core.agree import collective_error
+from ._core.agree import attempt, collective_error
 from .errors import InputError, InputTypeError, InputValueError
 
 __all__ = ["rank", "size", "local_rank", "local_size", "barrier", "allreduce", "allreduce_", "allgather",
@@ -174,11 +174,7 @@ def _reduced(tensor: torch.Tensor, op: str, comm) -> torch.Tensor:
 
 
 def _agreed_reduction(what: str, tensor, op: str, comm) -> None:
-    error = None
-    try:
-        _check_reduction(tensor, op)
-    except InputError as exc:
-        error = exc
+    _, error = attempt(_check_reduction, tensor, op)
     _negotiate(comm, what, error, _tensor_meta(tensor, ("op", op)))
 
 
@@ -206,16 +202,11 @@ def allgather(tensor: torch.Tensor, comm=None) -> torch.Tensor:
     match. A 0-dimensional tensor counts as one row. Collective.
     """
     comm = _comm(comm)
-    error, rows = None, 0
-    try:
-        _check_tensor("allgather", tensor)
-        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
-        rows = tensor.shape[0]
-    except InputError as exc:
-        error = exc
+    _, error = attempt(_check_tensor, "allgather", tensor)
+    tensor = tensor if error or tensor.dim() else tensor.reshape(1)
     meta = () if error else (("row shape", tuple(tensor.shape[1:])), ("dtype", str(tensor.dtype)))
     _negotiate(comm, "allgather", error, meta)
-    counts = comm.allgather(rows)
+    counts = comm.allgather(tensor.shape[0])
     host = tensor.detach().to("cpu", copy=True).contiguous()
     out = torch.empty((sum(counts), *host.shape[1:]), dtype=host.dtype)
     per_row = math.prod(host.shape[1:])
@@ -236,12 +227,8 @@ def broadcast_(tensor: torch.Tensor, root_rank: int = 0, comm=None, *, _what: st
     from .replicas import broadcast_tensor_
 
     comm = _comm(comm)
-    error = None
-    try:
-        _check_tensor(_what, tensor)
-        _check_root(root_rank, comm)
-    except InputError as exc:
-        error = exc
+    _, error = attempt(_check_tensor, _what, tensor)
+    error = error or attempt(_check_root, root_rank, comm)[1]
     _negotiate(comm, _what, error, _tensor_meta(tensor, ("root_rank", root_rank)))
     with torch.no_grad():
         broadcast_tensor_(tensor, comm, root_rank)
@@ -274,10 +261,6 @@ def allreduce_object(obj: Any, op: str = "mean", comm=None) -> Any:
 def broadcast_object(obj: Any, root_rank: int = 0, comm=None) -> Any:
     """``root_rank``'s ``obj`` (picklable) on every rank. Collective."""
     comm = _comm(comm)
-    error = None
-    try:
-        _check_root(root_rank, comm)
-    except InputError as exc:
-        error = exc
+    _, error = attempt(_check_root, root_rank, comm)
     _negotiate(comm, "broadcast_object", error, (("root_rank", root_rank),))
     return comm.bcast(obj, root=root_rank)

@@ -37,13 +37,13 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ._core.agree import agree
+from ._core.agree import on_root
 from ._core.checks import check_int
 from ._io.data_checks import check_file
 from ._io.h5write import write_dataset, write_pairs
 from ._io.loader_setup import list_datasets, loader_block_size
 from ._io.plan import default_window_blocks
-from .errors import InputError, InputFileNotFoundError, InputValueError
+from .errors import InputFileNotFoundError, InputValueError
 
 __all__ = ["write_mnist1d", "ensure_mnist1d", "describe", "main"]
 
@@ -83,18 +83,15 @@ def ensure_mnist1d(directory, *, num_samples: int = 5000, seed: int = 42, comm=N
     error or returns once the file is in place.
     """
     path = Path(directory) / f"mnist1d_n{num_samples}_s{seed}.h5"
-    error = None
-    if comm is None or comm.Get_rank() == 0:
-        try:
-            if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_mnist1d(path, num_samples=num_samples, seed=seed)
-        except InputError as exc:
-            error = exc
-    if comm is not None:
-        agree(comm, error)  # also orders: rank 0's os.replace before anyone returns
-    elif error is not None:
-        raise error
+
+    def generate() -> None:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_mnist1d(path, num_samples=num_samples, seed=seed)
+    if comm is None:
+        generate()
+    else:
+        on_root(comm, generate)  # also orders: rank 0's os.replace before anyone returns
     return path
 
 

@@ -63,12 +63,12 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from ._core.agree import agree, check_all
+from ._core.agree import agree, attempt, check_all
 from ._core.checks import check_int, check_shares
 from ._io.loader_setup import check_settings_agree, loader_block_size, open_checked, scan_labels
 from ._io.plan import EpochPlan, default_block_size, plan_epoch, rank_range, shard_range
 from ._io.prefetch import Prefetcher, iter_windows
-from .errors import InputError, InputValueError
+from .errors import InputValueError
 
 __all__ = ["ContiguousH5Loader", "EpochPlan", "plan_epoch", "shard_range",
            "default_block_size", "loader_block_size"]
@@ -130,12 +130,9 @@ class ContiguousH5Loader:
         self.drop_last, self.pad = drop_last, pad
         self.prefetch, self.return_indices = prefetch, return_indices
         self.direct_reads = direct_reads
-        self._source, error = None, None
-        try:
-            self._source, self.block_size, self.window_blocks = open_checked(
-                self, block_size, window_blocks)
-        except InputError as exc:  # a bad file or argument: raised on every rank by agree
-            error = exc
+        # a bad file or argument: raised on every rank by agree, after this rank closed its file
+        opened, error = attempt(open_checked, self, block_size, window_blocks)
+        self._source, self.block_size, self.window_blocks = opened or (None, None, None)
         try:
             agree(self.comm, error)
             self.num_samples = len(self._source.y)  # the data set's, not this rank's share

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 from mpi4py import MPI
 
-from ._core.agree import agree, collective_error
+from ._core.agree import check_all, collective_error
 from ._core.closable import Closable
 from ._core.leftovers import unlink_mpi_files
 from .errors import InputValueError
@@ -116,16 +116,10 @@ class Topology(Closable):
         A bad value raises ``ValueError`` on every rank.
         """
         comm = MPI.COMM_WORLD if comm is None else comm
-        error, rpn = None, None
-        try:
-            if ranks_per_node is not None:
-                rpn = parse_ranks_per_node(ranks_per_node, "ranks_per_node")
-            else:
-                rpn = parse_ranks_per_node(
-                    os.environ.get(ENV_RANKS_PER_NODE), ENV_RANKS_PER_NODE)
-        except ValueError as exc:
-            error = exc
-        agree(comm, error)
+        if ranks_per_node is not None:
+            rpn = check_all(comm, parse_ranks_per_node, ranks_per_node, "ranks_per_node")
+        else:
+            rpn = check_all(comm, parse_ranks_per_node, os.environ.get(ENV_RANKS_PER_NODE), ENV_RANKS_PER_NODE)
         # Every rank must use the same virtual node size, or the splits differ.
         settings = set(comm.allgather(rpn))
         if len(settings) > 1:

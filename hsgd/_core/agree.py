@@ -12,11 +12,11 @@ caught here, keeps its traceback, and the entry point aborts the job.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Tuple
 
 from ..errors import BY_NAME, InputError, InputValueError
 
-__all__ = ["agree", "check_all", "on_root", "collective_error"]
+__all__ = ["agree", "attempt", "check_all", "on_root", "collective_error"]
 
 
 def agree(comm, error: Optional[InputError]) -> None:
@@ -46,16 +46,24 @@ def collective_error(cls, message: str) -> Exception:
     return exc
 
 
+def attempt(func, *args, **kwargs) -> Tuple[Any, Optional[InputError]]:
+    """``(func(*args, **kwargs), None)``, or ``(None, error)`` if it raised an
+    :class:`~hsgd.errors.InputError`: this rank's verdict, for :func:`agree` or a caller's own
+    agreement (which also compares arguments across ranks, or frees what succeeded here).
+    Local; any other exception propagates."""
+    try:
+        return func(*args, **kwargs), None
+    except InputError as exc:
+        return None, exc
+
+
 def check_all(comm, func, *args, **kwargs):
     """Run ``func(*args, **kwargs)`` on every rank and :func:`agree` on the outcome.
 
     Returns ``func``'s result when it succeeded on every rank. An exception
     other than :class:`~hsgd.errors.InputError` propagates on this rank only.
     """
-    try:
-        result, error = func(*args, **kwargs), None
-    except InputError as exc:
-        result, error = None, exc
+    result, error = attempt(func, *args, **kwargs)
     agree(comm, error)
     return result
 
@@ -65,11 +73,6 @@ def on_root(comm, func, *args, root: int = 0, **kwargs):
 
     If it raises there, every rank raises the same exception. Collective.
     """
-    result, error = None, None
-    if comm.Get_rank() == root:
-        try:
-            result = func(*args, **kwargs)
-        except InputError as exc:
-            error = exc
+    result, error = attempt(func, *args, **kwargs) if comm.Get_rank() == root else (None, None)
     agree(comm, error)
     return comm.bcast(result, root=root)

@@ -84,6 +84,21 @@ def _check_common(optimizer, model) -> None:
                                       "parameter of the model; pass the model whose parameters it trains")
 
 
+def _check_stall(stall, comm, settings) -> None:
+    if stall is None:
+        return
+    if not isinstance(stall, StallInspector):
+        raise InputTypeError(f"stall must be a hsgd.faults.StallInspector or None, got {type(stall).__name__}")
+    if any(value is not None for value in settings):
+        raise InputValueError("pass either stall (an inspector, with its own settings) or "
+                              "stall_timeout/stall_abort/stall_abort_after, not both")
+    from mpi4py import MPI
+
+    if stall.closed or MPI.Comm.Compare(stall.comm, comm) not in (MPI.IDENT, MPI.CONGRUENT):
+        raise InputValueError("stall must be an open StallInspector over the mode's ranks "
+                              "(built on topology.comm)")
+
+
 class SyncMode(InnerOptimizer, Closable):
     """Base class of the synchronization modes. Construction is collective.
 
@@ -105,6 +120,9 @@ class SyncMode(InnerOptimizer, Closable):
             included), abort the job after a wait of ``stall_abort_after`` seconds (default
             ``HSGD_STALL_ABORT_AFTER`` or 600; 0: never), or after the first report with
             ``stall_abort`` (default ``HSGD_STALL_ABORT``).
+        stall: instead of those three, a :class:`~hsgd.faults.stall.StallInspector` built over
+            the same ranks (``topology.comm``) by the caller, who also waits under it (the
+            trainer, whose own collectives it watches) and closes it after the mode.
 
     Attributes:
         engine: the family's :class:`~hsgd._engine.engine.Engine` (its ``binding``, ``traffic``
@@ -121,15 +139,20 @@ class SyncMode(InnerOptimizer, Closable):
     _step_supports_amp_scaling: ClassVar[bool] = True
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, broadcast=True,
-                 settings: Dict[str, object], stall_timeout=None, stall_abort=None, stall_abort_after=None):
+                 settings: Dict[str, object], stall_timeout=None, stall_abort=None, stall_abort_after=None,
+                 stall: Optional[StallInspector] = None):
         self._init_optimizer_hooks()
         self._own_topology = topology is None
         self.topology = Topology.from_comm() if topology is None else topology
         self._shares = BatchShares(self.topology)
+        self._own_stall = stall is None
         try:
+            check_all(self.topology.comm, _check_stall, stall, self.topology.comm,
+                      (stall_timeout, stall_abort, stall_abort_after))
             self._setup(optimizer, (model, named_parameters), broadcast, settings)
             try:
-                self.stall = StallInspector(self.topology.comm, stall_timeout, stall_abort, stall_abort_after)
+                self.stall = StallInspector(self.topology.comm, stall_timeout, stall_abort, stall_abort_after) \
+                    if stall is None else stall
             except BaseException:
                 self.engine.close()
                 raise
@@ -319,7 +342,8 @@ class SyncMode(InnerOptimizer, Closable):
         super().close()
 
     def _close(self) -> None:
-        self.stall.close()
+        if self._own_stall:
+            self.stall.close()
         self.engine.close()
         if self._own_topology:
             self.topology.close()

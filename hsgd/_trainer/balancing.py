@@ -19,6 +19,7 @@ import torch
 from .._core.agree import collective_error
 from ..balance import LoadBalancer
 from ..errors import InputValueError
+from .hooks import Hook
 
 __all__ = ["Balancing", "BUSY_PHASES"]
 
@@ -27,8 +28,8 @@ logger = logging.getLogger("hsgd.train")
 BUSY_PHASES = ("data", "compute", "straggler")  # a rank's own work per step: what --balance equalizes
 
 
-class Balancing:
-    """The trainer's load balancing; collective to build (the warm-up) and in :meth:`epoch_start`."""
+class Balancing(Hook):
+    """The trainer's load balancing, a hook; collective to build (the warm-up) and in :meth:`epoch_start`."""
 
     def __init__(self, cfg, loader, opt, model, device, comm, straggle: Optional[Callable[[float], None]],
                  autocast=contextlib.nullcontext):
@@ -51,9 +52,9 @@ class Balancing:
             if comm.Get_rank() == 0:
                 logger.info("--balance: batch shares %s after a warm-up", shares)
 
-    def epoch_start(self) -> None:
+    def epoch_start(self, epoch: int, position: int) -> None:
         """At an epoch's first step (collective): the shares for it."""
-        if self.balancer is None or self.loader.position != 0:
+        if self.balancer is None or position != 0:
             return
         if not self.cfg.balance:  # a balanced run's shares, resumed without --balance: equal again
             self.loader.set_shares(None)
@@ -62,7 +63,7 @@ class Balancing:
         elif self._busy is not None:
             self.balancer.rebalance(*self._busy)
 
-    def epoch_end(self, times: Counter, steps: int) -> None:
+    def epoch_end(self, record: dict, times: Counter, steps: int) -> None:
         """The finished epoch's phase times of this rank (``times``) over its ``steps``."""
         self._busy = (sum(times[phase] for phase in BUSY_PHASES), steps)
 

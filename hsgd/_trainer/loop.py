@@ -1,11 +1,20 @@
 """The training loop of ``python -m hsgd.train``: :class:`Trainer`, one per rank.
 
 Read top to bottom: :meth:`Trainer.run` runs epochs until the last one or a
-stop; :meth:`Trainer._run_epoch` runs steps (data, forward/backward, the
-synchronization mode's ``step()``, the LR schedule), logs every
-``--log-every`` steps, looks for a stop signal every ``STOP_CHECK_STEPS``
-steps (:mod:`hsgd._trainer.stopping`) and checkpoints every ``--save-every``
-steps; :meth:`Trainer._end_epoch` evaluates and writes the epoch record.
+stop; :meth:`Trainer._run_epoch` runs steps; :meth:`Trainer._train_step` is
+one step (data, forward/backward, the synchronization mode's ``step()``, the
+LR schedule). Around the steps, the loop logs every ``--log-every`` steps and
+checkpoints every ``--save-every``; everything else it does is a hook
+(:mod:`hsgd._trainer.hooks`): the straggler simulation, load balancing, the
+stop agreement (:mod:`hsgd._trainer.stopping`), ``--stop-after`` and the
+progress display. :meth:`Trainer._end_epoch` evaluates and writes the epoch
+record.
+
+The trainer builds the stall inspector (``HSGD_STALL_*``) and hands it to the
+mode, so that one inspector watches the mode's waits and the trainer's own
+collectives (metrics, evaluation, checkpoints, the stop agreement): a lost host
+or a partition anywhere in the loop is reported, and ends the job after
+``HSGD_STALL_ABORT_AFTER``.
 
 Every method is collective, but inside an epoch the loop adds no collective
 of its own for a mode whose ranks do not step together (``opt.lockstep``
@@ -25,11 +34,13 @@ from typing import Optional
 import torch
 from mpi4py import MPI
 
-from .._core.agree import agree, collective_error, on_root
-from ..errors import InputError, InputValueError
+from .._core.agree import check_all, collective_error, on_root
+from ..errors import InputValueError
+from ..faults.stall import StallInspector
 from .balancing import Balancing
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
+from .hooks import Hooks, StopAfter, Straggler
 from .metrics import MetricsLog, PhaseClock, write_timeline
 from .precision import MixedPrecision
 from .progress import Progress
@@ -42,41 +53,39 @@ __all__ = ["Trainer", "EXIT_REQUEUE", "STOP_CHECK_STEPS"]
 logger = logging.getLogger("hsgd.train")
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint written after a signal; requeue and --resume
-OWN_WORK = ("data", "compute")  # a step's own work: what --straggler stretches (not waiting for others)
 
 
 class Trainer:
     """The training loop of one rank; every method is collective over the ranks."""
 
     def __init__(self, cfg: TrainConfig, comm, stopper):
-        self.cfg, self.comm = cfg, comm
-        self.slowdown = cfg.straggler_factor(comm.Get_rank(), comm.Get_size())  # 1: not slowed
+        self.cfg, self.stopper = cfg, stopper
         self.topo, self.device, self.run_dir, self.ckpt_dir = setup(cfg, comm)
         self.is_main = self.topo.rank == 0
         self.amp = MixedPrecision(cfg.amp, self.device)
+        self.stall = StallInspector(self.topo.comm)  # the mode's too: one count of synchronizations
         self.train_loader, self.test_loader, self.model, self.opt, self.scheduler = \
-            build(cfg, self.topo, self.device)
+            build(cfg, self.topo, self.device, self.stall)
         self.step, self.epoch, self.best = 0, 0, 0.0
-        # Every collective of the trainer's own (metrics, evaluation, checkpoints, the stop agreement)
-        # is a wait of the stall inspector, as the mode's are: a lost host or a partition anywhere in
-        # the loop is reported, and ends the job after stall_abort_after.
-        self.comm = self.opt.stall.watched(comm, lambda: self.step)
+        self.comm = self.stall.watched(comm, lambda: self.step)  # the trainer's own collectives
         if cfg.resume:
             self._resume()
         self.clock = PhaseClock(self.topo.rank, trace=cfg.timeline is not None)
         self.opt.on_phase = self.clock.record
-        self.balancing = Balancing(cfg, self.train_loader, self.opt, self.model, self.device, self.comm,
-                                   self._straggle if self.slowdown > 1 else None, self.amp.autocast)
-        self.clock.take()  # --balance's warm-up is not training time
         self._guard = cfg.nonfinite_limit > 0 and self.opt.finite_guard
         # --amp fp16 in --sync sync: the scaler unscales the averages, so that every rank's scaler
         # sees the same gradients and keeps the same scale
         self._average_first = self._guard or (self.amp.scaler is not None and self.opt.finite_guard)
         self._skipped = 0  # steps skipped in a row for non-finite gradients
         self.log = _open_log(self.run_dir, self.comm, cfg.tensorboard)
-        self.stopper = stopper
-        self.stops = stop_agreement(self.opt, comm, self.comm, stopper, self.step)
-        self.progress = Progress(cfg.progress, self.is_main, len(self.train_loader))
+        slowdown = cfg.straggler_factor(comm.Get_rank(), comm.Get_size())  # 1: not slowed
+        straggler = Straggler(slowdown, self.clock) if slowdown > 1 else None
+        balancing = Balancing(cfg, self.train_loader, self.opt, self.model, self.device, self.comm,
+                              straggler.stretch if straggler else None, self.amp.autocast)
+        self.clock.take()  # --balance's warm-up is not training time
+        self.hooks = Hooks([straggler, balancing, stop_agreement(self.opt, comm, stopper, self.step, self.stall),
+                            StopAfter(cfg.stop_after) if cfg.stop_after else None,
+                            Progress(cfg.progress, self.is_main, len(self.train_loader))])
 
     def _resume(self) -> None:
         state = resume_state(self.cfg, self.ckpt_dir, self.model, self.comm)
@@ -104,24 +113,16 @@ class Trainer:
         """One epoch, or its rest after a resume; returns (stop reason or None, steps run)."""
         cfg, loader = self.cfg, self.train_loader
         loader.set_epoch(self.epoch)
-        self.balancing.epoch_start()
+        self.hooks.epoch_start(self.epoch, loader.position)
         self._traffic_start = self.opt.traffic
-        self.progress.start_epoch(self.epoch, loader.position)
         start, totals, times = time.perf_counter(), torch.zeros(4, dtype=torch.float64), Counter()
         window, window_start, stop, batches = torch.zeros(4, dtype=torch.float64), start, None, iter(loader)
         epoch_steps, stepping_end = 0, start
         while stop is None and loader.position < len(loader):
-            own_start = self.clock.total(*OWN_WORK)
-            with self.clock.phase("data"):
-                batch = next(batches)
-            loss, correct, n, finite = _train_step(self.model, self.opt, batch, self.device, self.clock,
-                                                   self.amp, average_first=self._average_first)
-            if self._guard:
-                self._check_finite(finite)
-            if self.slowdown > 1:
-                self._straggle(self.clock.total(*OWN_WORK) - own_start)
-            self.scheduler.step()
+            self.hooks.step_start()
+            loss, correct, n = self._train_step(batches)
             self.step, run_steps, epoch_steps = self.step + 1, run_steps + 1, epoch_steps + 1
+            stop = self.hooks.step_end(self.step, run_steps)
             stepping_end = time.perf_counter()
             window += torch.tensor([loss * n, correct, n, 0.0], dtype=torch.float64)
             if self.step % cfg.log_every == 0:
@@ -129,22 +130,28 @@ class Trainer:
                 totals += window
                 window.zero_()
                 window_start = time.perf_counter()
-            if self.stops.should_stop(self.step):
-                stop = "signal"
-            self.progress.advance()
-            if cfg.stop_after and run_steps >= cfg.stop_after:
-                stop = stop or "stop-after"
             if stop is None and cfg.save_every and self.step % cfg.save_every == 0:
                 self.save()
         totals += window
-        with self.opt.stall.waiting(self.step, "epoch end"):
+        with self.stall.waiting(self.step, "epoch end"):
             self._reduce(totals)  # where the ranks meet, however far apart their steps were
         stop = stop or ("signal" if totals[3] > 0 else None)
         if loader.position == len(loader):  # the epoch ran to its end (on every rank: one stop step)
             rate = epoch_steps / max(stepping_end - start, 1e-9)
-            self._end_epoch(totals, time.perf_counter() - start, times, rate)
-            self.balancing.epoch_end(times, epoch_steps)
+            self._end_epoch(totals, time.perf_counter() - start, times, rate, epoch_steps)
         return stop, run_steps
+
+    def _train_step(self, batches):
+        """One step: data, forward/backward, average, update (not taken on non-finite averaged
+        gradients, with the guard), the LR schedule; returns (loss, correct, samples)."""
+        with self.clock.phase("data"):
+            batch = next(batches)
+        loss, correct, n, finite = _fit_batch(self.model, self.opt, batch, self.device, self.clock,
+                                              self.amp, average_first=self._average_first)
+        if self._guard:
+            self._check_finite(finite)
+        self.scheduler.step()
+        return loss, correct, n
 
     def _check_finite(self, finite: bool) -> None:
         """Count steps skipped for NaN/Inf averaged gradients; stop after ``--nonfinite-limit`` in
@@ -163,15 +170,6 @@ class Trainer:
                                    f"{self._skipped} steps in a row (the last: step {self.step + 1}); the "
                                    f"run diverged: lower --lr, add warm-up (--warmup-epochs) or check the "
                                    f"data; --resume starts from the last checkpoint{fp16}")
-
-    def _straggle(self, seconds: float) -> None:
-        """``--straggler``: stretch this step's own work (``seconds``: data and compute, not the
-        waiting for other ranks) to ``slowdown`` times, keeping the CPU busy as a slower
-        processor would (a sleep would hand the core to the other ranks)."""
-        with self.clock.phase("straggler"):
-            end = time.perf_counter() + (self.slowdown - 1) * seconds
-            while time.perf_counter() < end:
-                pass
 
     def _reduce(self, totals):
         """Sum loss/accuracy counts and this rank's stop flag over ranks, in place."""
@@ -192,9 +190,9 @@ class Trainer:
                       lr=self.scheduler.get_last_lr()[0], samples_per_s=window[2].item() / seconds,
                       ranks=ranks, time=times)
         self.log.write("step", **record)
-        self.progress.update(record)
+        self.hooks.logged(record)
 
-    def _end_epoch(self, totals, train_seconds: float, times: Counter, steps_per_s: float) -> None:
+    def _end_epoch(self, totals, train_seconds: float, times: Counter, steps_per_s: float, steps: int) -> None:
         with self.clock.phase("eval"):
             test_loss, test_acc = evaluate(self.model, self.test_loader, self.comm, self.device,
                                            shared=self.opt.shared_state_dict if self.opt.replicas_differ else None,
@@ -208,7 +206,7 @@ class Trainer:
                       samples_per_s=totals[2].item() / train_seconds,
                       seconds=train_seconds + times["eval"], time=dict(times), **self._epoch_ranks(steps_per_s))
         self.log.write("epoch", **record)
-        self.progress.end_epoch(record)
+        self.hooks.epoch_end(record, times, steps)
         self.epoch += 1
 
     def _epoch_ranks(self, steps_per_s: float) -> dict:
@@ -223,7 +221,7 @@ class Trainer:
                     batch_shares=shares)
 
     def _finish(self, stop: Optional[str]) -> None:
-        self.progress.close()
+        self.hooks.close()
         self.log.close()
         if self.cfg.timeline:
             events = self.comm.gather(self.clock.events, root=0)
@@ -233,23 +231,17 @@ class Trainer:
             logger.info("%s after %d steps; best test accuracy %.2f%%; run directory %s",
                         f"stopped ({stop})" if stop else "done", self.step, 100 * self.best,
                         self.run_dir)
-        self.stops.close()
         self.opt.close()
+        self.stall.close()
         self.topo.close()
 
 
 def _open_log(run_dir, comm, tensorboard: bool) -> MetricsLog:
     """Rank 0's metrics log (and TensorBoard writer); every rank learns if that failed."""
-    log, error = None, None
-    try:
-        log = MetricsLog(run_dir, enabled=comm.Get_rank() == 0, tensorboard=tensorboard)
-    except InputError as exc:
-        error = exc
-    agree(comm, error)
-    return log
+    return check_all(comm, MetricsLog, run_dir, enabled=comm.Get_rank() == 0, tensorboard=tensorboard)
 
 
-def _train_step(model, opt, batch, device, clock, amp: MixedPrecision, average_first: bool = False):
+def _fit_batch(model, opt, batch, device, clock, amp: MixedPrecision, average_first: bool = False):
     """Forward (under ``amp``'s autocast), backward, average, update; returns (loss, correct,
     samples, finite). With ``average_first`` (a mode with ``gradients_finite``) the gradients
     are averaged, then unscaled (``--amp fp16``), and a step whose averages hold NaN or Inf is

@@ -41,9 +41,10 @@ class ModeConfig:
     def from_train(cls, cfg) -> ModeConfig:
         return cls(**{name: getattr(cfg, flag) for name, flag in cls.flags().items()})
 
-    def build(self, optimizer, model, topology) -> SyncMode:
-        """The mode over ``optimizer`` and ``model``, on ``topology``. Collective."""
-        return SYNC_MODES[self.sync](optimizer, model, topology=topology, **dataclasses.asdict(self))
+    def build(self, optimizer, model, topology, stall=None) -> SyncMode:
+        """The mode over ``optimizer`` and ``model``, on ``topology``, sharing the stall
+        inspector ``stall`` (``None``: its own). Collective."""
+        return SYNC_MODES[self.sync](optimizer, model, topology=topology, stall=stall, **dataclasses.asdict(self))
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import Counter
+
+from .hooks import Hook
 
 __all__ = ["Progress"]
 
@@ -15,7 +18,7 @@ def _comm_share(times: dict) -> float:
     return (times.get("intra", 0.0) + times.get("inter", 0.0)) / busy if busy else 0.0
 
 
-class Progress:
+class Progress(Hook):
     """``mode``: auto (bar if stderr is a terminal), bar, lines or none; rank 0 only."""
 
     def __init__(self, mode: str, enabled: bool, steps_per_epoch: int):
@@ -25,22 +28,22 @@ class Progress:
         self.steps_per_epoch = steps_per_epoch
         self.bar = None
 
-    def start_epoch(self, epoch: int, position: int) -> None:
+    def epoch_start(self, epoch: int, position: int) -> None:
         if self.mode == "bar":
             from tqdm import tqdm
             self.bar = tqdm(total=self.steps_per_epoch, initial=position, desc=f"epoch {epoch}",
                             leave=False, dynamic_ncols=True)
 
-    def update(self, record: dict) -> None:
+    def logged(self, record: dict) -> None:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}",
                                  comm=f"{100 * _comm_share(record['time']):.0f}%", refresh=False)
 
-    def advance(self) -> None:
+    def step_end(self, step: int, run_steps: int) -> None:
         if self.bar is not None:
             self.bar.update(1)
 
-    def end_epoch(self, record: dict) -> None:
+    def epoch_end(self, record: dict, times: Counter, steps: int) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None

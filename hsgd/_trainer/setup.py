@@ -97,8 +97,9 @@ def _make_run_dir(cfg: TrainConfig, topo: Topology) -> str:
     return str(run_dir)
 
 
-def build(cfg, topo, device):
-    """Data loaders, model, optimizer, schedule: the same on every rank."""
+def build(cfg, topo, device, stall=None):
+    """Data loaders, model, optimizer, schedule: the same on every rank. ``stall``: the
+    stall inspector that the mode shares with the trainer (``None``: its own)."""
     comm = topo.comm
     if cfg.batch_size % topo.size:
         raise collective_error(InputValueError, f"--batch-size {cfg.batch_size} is the global batch and "
@@ -120,7 +121,7 @@ def build(cfg, topo, device):
     model = check_all(comm, build_model, cfg.model, train.sample_shape, classes, cfg.width).to(device)
     inner = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, inner, len(train))
-    opt = mode_config(cfg).build(inner, model, topo)
+    opt = mode_config(cfg).build(inner, model, topo, stall=stall)
     logger.info("%s; %d train / %d test samples of shape %s, %d classes; %s %s",
                 opt, train.num_samples, test.num_samples, tuple(train.sample_shape), classes,
                 cfg.model, cfg.optimizer)

@@ -25,41 +25,57 @@ rank's flag (see :mod:`hsgd._trainer.loop`).
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 from mpi4py import MPI
 
 from ..remote.memory import RemoteMemory
+from .hooks import Hook
 
 __all__ = ["STOP_CHECK_STEPS", "CollectiveStop", "RemoteStop", "stop_agreement"]
 
 STOP_CHECK_STEPS = 10  # how often the ranks look for a received stop signal
 
 
-class CollectiveStop:
+class _Stop(Hook):
+    """A stop agreement as the trainer's hook: ``"signal"`` from the step all ranks stop after.
+    ``stall``: the stall inspector under which its communication is a wait (or ``None``)."""
+
+    _stall = None
+
+    def should_stop(self, step: int) -> bool:
+        raise NotImplementedError
+
+    def _waiting(self, step: int):
+        return self._stall.waiting(step, "stop check") if self._stall is not None else contextlib.nullcontext()
+
+    def step_end(self, step: int, run_steps: int) -> Optional[str]:
+        return "signal" if self.should_stop(step) else None
+
+
+class CollectiveStop(_Stop):
     """``should_stop(step)``: an allreduce of the flag every ``STOP_CHECK_STEPS`` steps. Collective."""
 
-    def __init__(self, comm, signal, step: int):
-        self.comm, self.signal = comm, signal
+    def __init__(self, comm, signal, step: int, stall=None):
+        self.comm, self.signal, self._stall = comm, signal, stall
 
     def should_stop(self, step: int) -> bool:
         if step % STOP_CHECK_STEPS:
             return False
-        return self.comm.allreduce(self.signal.received, op=MPI.MAX) > 0
-
-    def close(self) -> None:
-        pass
+        with self._waiting(step):
+            return self.comm.allreduce(self.signal.received, op=MPI.MAX) > 0
 
 
-class RemoteStop:
+class RemoteStop(_Stop):
     """``should_stop(step)`` without a collective: the common stop step lives in remote memory.
 
     Construction and :meth:`close` are collective; ``step`` is the step count
-    every rank starts from.
+    every rank starts from; ``stall``: the stall inspector under which the lock is a wait.
     """
 
-    def __init__(self, comm, signal, step: int, topology=None, waiting=None):
-        self.signal, self.rank, self._waiting = signal, comm.Get_rank(), waiting
+    def __init__(self, comm, signal, step: int, topology=None, stall=None):
+        self.signal, self.rank, self._stall = signal, comm.Get_rank(), stall
         self.mem = RemoteMemory(comm, 1 + comm.Get_size(), dtype=torch.int64, owners=[0], topology=topology)
         self.words = torch.zeros(1 + comm.Get_size(), dtype=torch.int64)  # [S, rank 0's step, ...]
         if self.rank == 0:
@@ -70,7 +86,7 @@ class RemoteStop:
 
     def should_stop(self, step: int) -> bool:
         if self.stop_at is None and step % STOP_CHECK_STEPS == 0:
-            with self._waiting(step, "stop check") if self._waiting else contextlib.nullcontext(), self.mem.lock():
+            with self._waiting(step), self.mem.lock():
                 stop_at = int(self.mem.read(0, self.words)[0])
                 if stop_at == 0 and self.signal.received:
                     stop_at = max(int(self.words[1:].max()), step) + STOP_CHECK_STEPS
@@ -84,9 +100,9 @@ class RemoteStop:
         self.mem.close()
 
 
-def stop_agreement(opt, comm, watched, signal, step: int):
-    """The agreement that suits ``opt``'s mode (collective). ``watched``: ``comm`` whose
-    collectives are waits of the mode's stall inspector; the remote stop's lock is one too."""
+def stop_agreement(opt, comm, signal, step: int, stall):
+    """The agreement that suits ``opt``'s mode (collective), its waits watched by ``stall``
+    (the trainer's stall inspector, which the mode shares)."""
     if opt.lockstep:
-        return CollectiveStop(watched, signal, step)
-    return RemoteStop(comm, signal, step, topology=opt.topology, waiting=opt.stall.waiting)
+        return CollectiveStop(comm, signal, step, stall=stall)
+    return RemoteStop(comm, signal, step, topology=opt.topology, stall=stall)

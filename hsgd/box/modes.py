@@ -182,13 +182,13 @@ class ElasticSGD(BoxMode):
     name = "elastic"
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, alpha=0.2, tau=1,
-                 broadcast=True, stall_timeout=None, stall_abort=None, stall_abort_after=None):
+                 broadcast=True, stall_timeout=None, stall_abort=None, stall_abort_after=None, stall=None):
         self.alpha, self.tau, self._delta = alpha, tau, None
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          broadcast=broadcast,
                          settings={"alpha": alpha, "tau": tau}, stall_timeout=stall_timeout,
                          stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after)
+                         stall_abort_after=stall_abort_after, stall=stall)
 
     def _check(self, alpha, tau) -> None:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
@@ -227,12 +227,12 @@ class AsyncSGD(BoxMode):
     name = "async"
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, broadcast=True,
-                 stall_timeout=None, stall_abort=None, stall_abort_after=None):
+                 stall_timeout=None, stall_abort=None, stall_abort_after=None, stall=None):
         self._change = None
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          broadcast=broadcast, settings={},
                          stall_timeout=stall_timeout, stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after)
+                         stall_abort_after=stall_abort_after, stall=stall)
 
     def _step(self) -> None:
         self._binding.gather()

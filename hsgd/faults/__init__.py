@@ -3,6 +3,9 @@
 - :mod:`hsgd.faults.abort`: an uncaught exception on any rank prints its
   traceback once, tagged with the rank, and aborts the whole job
   (``MPI_Abort``), in the manner of ``python -m mpi4py``;
+- :mod:`hsgd.faults.stall`: the :class:`StallInspector` names the ranks
+  missing from a synchronization that waits too long, and ends a job that
+  waits for good;
 - :mod:`hsgd._core.leftovers`: the files MPI leaves in ``/dev/shm`` and
   the temporary directory when a job ends abnormally are unlinked while the
   job runs, as soon as every rank has attached them.
@@ -14,8 +17,9 @@ them off.
 
 from .._core.leftovers import unlink_mpi_files
 from .abort import abort_job, abort_on_exception, install_abort_hook
+from .stall import StallInspector
 
-__all__ = ["protect", "abort_job", "abort_on_exception", "install_abort_hook", "unlink_mpi_files"]
+__all__ = ["protect", "abort_job", "abort_on_exception", "install_abort_hook", "unlink_mpi_files", "StallInspector"]
 
 
 def protect(comm) -> None:

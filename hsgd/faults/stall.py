@@ -124,6 +124,7 @@ class StallInspector:
         self._threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE  # may the watchdog call MPI?
         self.entered, self._step, self._what, self._since = 0, 0, "", None
         self.board, self._slot, self._thread, self._stop = None, None, None, threading.Event()
+        self.closed = False
         if self.timeout > 0:
             from ..remote.memory import RemoteMemory
 
@@ -224,6 +225,7 @@ class StallInspector:
 
     def close(self) -> None:
         """Stop the watchdog and free the board. Collective; idempotent."""
+        self.closed = True
         if self._thread is not None:
             self._stop.set()
             self._thread.join()

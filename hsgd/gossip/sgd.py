@@ -98,13 +98,13 @@ class GossipSGD(SyncMode):
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, graph="exponential",
                  theta=DEFAULT_THETA, seed=0, broadcast=True, stall_timeout=None, stall_abort=None,
-                 stall_abort_after=None):
+                 stall_abort_after=None, stall=None):
         self.graph_name, self.theta, self.seed = graph, theta, seed
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          broadcast=broadcast,
                          settings={"graph": graph, "theta": theta, "seed": seed},
                          stall_timeout=stall_timeout, stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after)
+                         stall_abort_after=stall_abort_after, stall=stall)
 
     def _check(self, graph, theta, seed) -> None:
         check_choice("graph", graph, GRAPHS)

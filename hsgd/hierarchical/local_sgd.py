@@ -51,13 +51,13 @@ class HierarchicalLocalSGD(HierarchicalMode):
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
                  compression=None, intra_period=1, inter_period=1, broadcast=True, stall_timeout=None,
-                 stall_abort=None, stall_abort_after=None):
+                 stall_abort=None, stall_abort_after=None, stall=None):
         self.intra_period, self.inter_period = intra_period, inter_period
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          inter_node=inter_node, compression=compression, broadcast=broadcast,
                          settings={"intra_period": intra_period, "inter_period": inter_period},
                          stall_timeout=stall_timeout, stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after)
+                         stall_abort_after=stall_abort_after, stall=stall)
 
     def _check_own(self, intra_period, inter_period) -> None:
         check_int("intra_period", intra_period)

@@ -94,7 +94,7 @@ class HierarchicalSGD(HierarchicalMode):
 
     def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
                  compression=None, backward_passes_per_step=1, overlap=False, bucket_cap_mb=DEFAULT_BUCKET_MB,
-                 broadcast=True, stall_timeout=None, stall_abort=None, stall_abort_after=None):
+                 broadcast=True, stall_timeout=None, stall_abort=None, stall_abort_after=None, stall=None):
         self.backward_passes_per_step = backward_passes_per_step
         self.overlap, self.bucket_cap_mb = overlap, bucket_cap_mb
         self._synchronized = False
@@ -104,7 +104,7 @@ class HierarchicalSGD(HierarchicalMode):
                          settings={"backward_passes_per_step": backward_passes_per_step, "overlap": overlap,
                                    "bucket_cap_mb": bucket_cap_mb},
                          stall_timeout=stall_timeout, stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after)
+                         stall_abort_after=stall_abort_after, stall=stall)
 
     def _check_own(self, backward_passes_per_step, overlap, bucket_cap_mb) -> None:
         check_int("backward_passes_per_step", backward_passes_per_step)
@@ -201,22 +201,24 @@ class HierarchicalSGD(HierarchicalMode):
             self._skip = False
 
     def _step(self) -> None:
+        """Average unless averaged already (``synchronize()``, or backward with overlap) or told
+        not to (``skip_synchronize()``); under ``GradScaler.step()`` unscale what was not, and
+        step only on finite averages; then the inner step."""
         if self._overlap is not None and self._under_scaler:
             for name in ("found_inf", "grad_scale"):  # GradScaler removes them only after a step
                 self.__dict__.pop(name, None)
             raise InputValueError("with overlap=True backward averages the gradients before "
                                   "GradScaler.step() tells their loss scale; use a GradScaler with "
                                   "overlap=False")
-        if self._overlap is not None and not self._synchronized:
-            self._finish_overlap()  # backward averaged already: skip_synchronize() has nothing to skip
-        elif self._skip and not self._synchronized:
+        # with overlap, backward averaged already: skip_synchronize() has nothing to skip
+        skipped = self._skip and self._overlap is None and not self._synchronized
+        if skipped:
             warnings.warn("step() inside skip_synchronize() without synchronize(): "
                           "each rank steps on its own gradients", stacklevel=3)
-            self._unscale_local()
-        elif not self._synchronized:
-            self.synchronize()  # unscales too, under GradScaler.step()
-        elif self._under_scaler:  # GradScaler.step() after synchronize()
-            self._unscale_local()
+        if self._synchronized or skipped:
+            self._unscale_local()  # under GradScaler.step(): not averaged under its loss scale
+        else:
+            self.synchronize()  # weighted by the loss scale, under GradScaler.step()
         if self._under_scaler and self._synchronized:
             # the averages are the same on every rank: all step or all skip, with the scaler
             self._skip_inner = not self.gradients_finite()

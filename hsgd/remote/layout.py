@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._core.agree import agree, collective_error
+from .._core.agree import check_all, collective_error
 from .._core.checks import check_int
-from ..errors import InputError, InputTypeError, InputValueError
+from ..errors import InputTypeError, InputValueError
 from ..topology import Topology
 
 __all__ = ["DTYPES", "agree_owners", "shard_bounds", "pieces"]
@@ -56,12 +56,7 @@ def agree_owners(comm, numel, dtype, owners, chunk_bytes,
 
     Collective: a bad or differing argument raises the same ``InputError`` on every rank.
     """
-    error = None
-    try:
-        owners = _check_args(comm, numel, dtype, owners, chunk_bytes)
-    except InputError as exc:
-        error = exc
-    agree(comm, error)
+    owners = check_all(comm, _check_args, comm, numel, dtype, owners, chunk_bytes)
     mine = (int(numel), str(dtype), owners, int(chunk_bytes))
     if len(set(comm.allgather(mine))) > 1:
         raise collective_error(InputValueError, "ranks were given different RemoteMemory arguments "

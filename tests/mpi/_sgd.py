@@ -1,8 +1,8 @@
 """Helpers of the synchronous-SGD tests: optimizers, the single-process reference and its
-comparison, the binding check and a model with a branch."""
+comparison, the ranks' training loop, the binding check and a model with a branch."""
 
 import torch
-from _models import fixed_batch, mlp
+from _models import fixed_batch, mlp, shard
 
 STEPS = 10  # reference()'s default
 OPTIMIZERS = {
@@ -11,6 +11,18 @@ OPTIMIZERS = {
     "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
 }
+
+
+def train_shards(model, opt, comm, dtype=torch.float64, steps=STEPS, *, zero_grad=None, step=None):
+    """``steps`` steps on this rank's shard of :func:`fixed_batch` (the reference's whole batch,
+    split over the ranks): ``zero_grad(i)`` (default ``opt.zero_grad()``), forward, backward,
+    ``step(i)`` (default ``opt.step()``)."""
+    x, y = fixed_batch(dtype)
+    xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
+    for i in range(steps):
+        zero_grad(i) if zero_grad else opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xs), ys).backward()
+        step(i) if step else opt.step()
 
 
 def check_binding(opt, binding):

@@ -8,7 +8,7 @@ failed assertion on one rank must abort the job (tests/mpi/conftest.py), not run
 import pytest
 import torch
 from _models import LAYOUTS, expected_nodes, fixed_batch, mlp, shard
-from _sgd import OPTIMIZERS, Branchy, assert_params_close, check_binding, reference
+from _sgd import OPTIMIZERS, Branchy, assert_params_close, check_binding, reference, train_shards
 
 from hsgd import HierarchicalLocalSGD, HierarchicalSGD, Topology, broadcast_parameters
 from hsgd._core.traffic import allreduce_bytes
@@ -28,16 +28,11 @@ def check_strategy(opt, topo, inter_node):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_equals_single_process(comm, dtype, inter_node, opt_name):
     make_opt = OPTIMIZERS[opt_name]
-    x, y = fixed_batch(dtype)
-    xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
     model = mlp(dtype, seed=comm.rank)  # different init: the broadcast must fix it
     topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[inter_node](comm))
     opt = HierarchicalSGD(make_opt(model.parameters()), model, topology=topo, inter_node=inter_node)
     check_strategy(opt, topo, inter_node)
-    for _ in range(STEPS):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(xs), ys).backward()
-        opt.step()
+    train_shards(model, opt, comm, dtype)
     assert_params_close(model, reference(dtype, make_opt), dtype)
     opt.close()
     topo.close()
@@ -45,35 +40,32 @@ def test_equals_single_process(comm, dtype, inter_node, opt_name):
 
 @pytest.mark.parametrize("rpn", [1, 3, None])
 def test_equals_single_process_any_layout(comm, rpn, binding):
-    x, y = fixed_batch()
     model = mlp()
     make_opt = OPTIMIZERS["momentum_wd"]
     topo = Topology.from_comm(comm, ranks_per_node=rpn)
     opt = HierarchicalSGD(make_opt(model.parameters()), model, topology=topo)
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=step % 2 == 0)  # staged gradients: both zeroings
-        out = model(shard(x, comm.rank, comm.size))
-        torch.nn.functional.cross_entropy(out, shard(y, comm.rank, comm.size)).backward()
+
+    def step(_):
         opt.step()
         check_binding(opt, binding)
+    # staged gradients: both zeroings
+    train_shards(model, opt, comm, zero_grad=lambda i: opt.zero_grad(set_to_none=i % 2 == 0), step=step)
     assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
     opt.close()
     topo.close()
 
 
 def test_clip_between_synchronize_and_step(comm, binding):
-    x, y = fixed_batch()
     model = mlp()
     make_opt = OPTIMIZERS["sgd"]
     opt = HierarchicalSGD(make_opt(model.parameters()), model)
-    for _ in range(STEPS):
-        opt.zero_grad()
-        out = model(shard(x, comm.rank, comm.size))
-        torch.nn.functional.cross_entropy(out, shard(y, comm.rank, comm.size)).backward()
+
+    def step(_):
         opt.synchronize()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         with opt.skip_synchronize():
             opt.step()
+    train_shards(model, opt, comm, step=step)
     check_binding(opt, binding)
     assert_params_close(model, reference(torch.float64, make_opt, clip=0.05), torch.float64)
     opt.close()
@@ -184,15 +176,10 @@ def test_autograd_grad_and_create_graph_bypass_the_slot(comm):
 
 def test_model_replaced_grads_are_picked_up(comm, binding):
     """A user zeroing through the model (set_to_none) must not lose gradients."""
-    x, y = fixed_batch()
     model = mlp()
     make_opt = OPTIMIZERS["sgd"]
     opt = HierarchicalSGD(make_opt(model.parameters()), model)
-    for _ in range(STEPS):
-        model.zero_grad(set_to_none=True)
-        out = model(shard(x, comm.rank, comm.size))
-        torch.nn.functional.cross_entropy(out, shard(y, comm.rank, comm.size)).backward()
-        opt.step()
+    train_shards(model, opt, comm, zero_grad=lambda _: model.zero_grad(set_to_none=True))
     check_binding(opt, binding)
     assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
     opt.close()

@@ -106,3 +106,27 @@ def test_a_wait_that_is_not_counted_is_watched_all_the_same(comm, capsys):
     assert reports, "no report after 1.5 s in an uncounted wait with a 0.4 s timeout"
     for line in reports:
         assert line.endswith("synchronization #1 (step 8, a hook); missing: none (all arrived)"), line
+
+
+def test_a_mode_shares_an_inspector_handed_to_it_and_leaves_it_open(comm):
+    """The trainer's way: one inspector counts the mode's waits and the caller's own, and the
+    caller closes it after the mode. Settings beside it, or a closed one, are refused."""
+    from hsgd.faults import StallInspector
+
+    stall = StallInspector(comm, timeout=5.0)
+    model, opt = build(None, stall=stall)
+    assert opt.stall is stall
+    for _ in range(3):
+        train_step(model, opt)
+    with stall.waiting(opt.num_steps, "the caller's own"):
+        comm.Barrier()
+    assert stall.entered == 4  # three steps and the caller's wait, on one count
+    opt.close()
+    assert stall.enabled and not stall.closed  # the caller's to close
+    with pytest.raises(ValueError, match="not both"):
+        build(5.0, stall=stall)
+    with pytest.raises(TypeError, match="StallInspector"):
+        build(None, stall="60")
+    stall.close()
+    with pytest.raises(ValueError, match="open StallInspector"):
+        build(None, stall=stall)
