@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "SyncMode": "._engine.mode",
-    "HierarchicalSGD": ".hierarchical", "HierarchicalLocalSGD": ".hierarchical",
+    "HierarchicalSGD": ".hierarchical", "HierarchicalLocalSGD": ".hierarchical", "HierarchicalDiLoCo": ".hierarchical",
     "RemoteMemory": ".remote", "ElasticSGD": ".box", "AsyncSGD": ".box",
     "GossipSGD": ".gossip",
     "Topology": ".topology", "ContiguousH5Loader": ".parallel_io", "LoadBalancer": ".balance",

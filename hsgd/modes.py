@@ -17,8 +17,9 @@ from __future__ import annotations
 from ._engine.mode import SyncMode
 from .box import AsyncSGD, ElasticSGD
 from .gossip import GossipSGD
-from .hierarchical import HierarchicalLocalSGD, HierarchicalSGD
+from .hierarchical import HierarchicalDiLoCo, HierarchicalLocalSGD, HierarchicalSGD
 
 __all__ = ["SYNC_MODES", "SyncMode"]
 
-SYNC_MODES = {cls.name: cls for cls in (HierarchicalSGD, HierarchicalLocalSGD, ElasticSGD, AsyncSGD, GossipSGD)}
+SYNC_MODES = {cls.name: cls for cls in (HierarchicalSGD, HierarchicalLocalSGD, HierarchicalDiLoCo, ElasticSGD, AsyncSGD,
+                                        GossipSGD)}

@@ -48,7 +48,7 @@ import torch
 from .._core.agree import collective_error
 from ..errors import InputTypeError
 
-__all__ = ["SlotBinding", "FlatSlot"]
+__all__ = ["SlotBinding", "FlatSlot", "slot_views"]
 
 
 def _own_tensor(segment: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
@@ -58,6 +58,13 @@ def _own_tensor(segment: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
     parameter's gradient would look like a write into all of them.
     """
     return torch.from_numpy(segment.numpy()[offset:offset + numel])
+
+
+def slot_views(averager, params) -> List[torch.Tensor]:
+    """One tensor per parameter, shaped like it, over its place in ``averager``'s own slot
+    (the layout's first ``len(params)`` entries), each with its own version counter."""
+    return [_own_tensor(averager.own(seg), off, p.numel()).view(p.shape)
+            for p, (seg, off) in zip(params, averager.layout.places)]
 
 
 class FlatSlot:
@@ -101,9 +108,7 @@ class SlotBinding:
         self.params = list(params)
         self.averager = averager
         places = averager.layout.places
-        self.views: List[torch.Tensor] = [
-            _own_tensor(averager.own(seg), off, p.numel()).view(p.shape)
-            for p, (seg, off) in zip(self.params, places)]
+        self.views: List[torch.Tensor] = slot_views(averager, self.params)
         self._versions = [view._version for view in self.views]
         self.zero_copy = [p.device.type in self.zero_copy_devices for p in self.params]
         self.flags = None

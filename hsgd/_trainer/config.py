@@ -87,12 +87,22 @@ class TrainConfig:
     # --- synchronization ---
     sync: str = _opt("sync", "synchronization mode: sync (synchronous SGD, gradients averaged "
                              "every step) | local (hierarchical local SGD, parameters averaged "
-                             "every --intra-period steps in the node) | elastic (SEASGD against "
+                             "every --intra-period steps in the node) | diloco (local SGD whose global "
+                             "round is DiLoCo's outer step, --outer-lr, --fragments) | elastic (SEASGD against "
                              "global weights in remote memory) | async (asynchronous SGD against "
                              "them) | gossip (averaging with a few peers per step, "
                              "--gossip-graph, --gossip-theta)", choices=list(SYNC_MODES))
-    intra_period: int = _opt(1, "parameter averaging inside a node every N steps (--sync local)")
+    intra_period: int = _opt(1, "parameter averaging inside a node every N steps (--sync local | diloco)")
     inter_period: int = _opt(1, "... and across nodes every intra_period * N steps")
+    outer_lr: float = _opt(0.7, "DiLoCo's outer learning rate (--sync diloco)")
+    outer_momentum: float = _opt(0.9, "DiLoCo's outer momentum in [0, 1) (--sync diloco)")
+    outer_nesterov: bool = _opt(True, "Nesterov outer momentum (--sync diloco)")
+    fragments: int = _opt(1, "streaming DiLoCo: sync the model in N fragments at staggered steps "
+                             "(--sync diloco)")
+    fragment_sync_delay: int = _opt(0, "merge a fragment N steps after its sync started, its inter-node "
+                                       "sums running meanwhile (< intra_period * inter_period; --sync diloco)")
+    fragment_update_alpha: float = _opt(0.0, "a merged fragment is ALPHA * local + (1 - ALPHA) * global "
+                                             "(--sync diloco)")
     alpha: float = _opt(0.2, "elastic moving rate in [0, 1] (--sync elastic)")
     tau: int = _opt(1, "steps between elastic rounds (--sync elastic)")
     gossip_graph: str = _opt("exponential", "peers of each gossip round: exponential (directed, push-sum) | "
@@ -103,7 +113,7 @@ class TrainConfig:
     inter_node: str = _opt("leader", "leader | sharded inter-node allreduce", choices=list(STRATEGIES))
     compression: str = _opt("none", "none | fp16 | bf16: the inter-node sums cross nodes in 16 bits, "
                                     "halving inter-node bytes; nothing changes inside a node "
-                                    "(--sync sync | local)", choices=list(COMPRESSIONS))
+                                    "(--sync sync | local | diloco)", choices=list(COMPRESSIONS))
     overlap: bool = _opt(False, "--sync sync: average the gradients in buckets while backward still runs "
                                 "(HierarchicalSGD(overlap=True)); docs/benchmarks.md says where it pays")
     bucket_cap_mb: float = _opt(25.0, "--overlap: bucket size in MiB (the first bucket is 1 MiB at most)")
@@ -129,7 +139,7 @@ class TrainConfig:
     stop_after: int = _opt(0, "stop (with a checkpoint) after this many steps in this run; 0: no limit")
     balance: bool = _opt(False, "load balancing: per-rank batch sizes that make every rank's step take "
                                 "equally long (a warm-up, then re-measured every epoch), the global batch "
-                                "unchanged and averages weighted by batch size (--sync sync | local)")
+                                "unchanged and averages weighted by batch size (--sync sync | local | diloco)")
     straggler: Optional[str] = _opt(None, "RANK:FACTOR: make rank RANK's steps FACTOR (>= 1) times longer, "
                                           "busy-waiting after each step, to see how a mode copes with "
                                           "a slow worker (e.g. 3:3)", metavar="RANK:FACTOR")
@@ -161,6 +171,9 @@ class TrainConfig:
                     "can unscale them: use --amp bf16 (no GradScaler) or drop --overlap")
         if not self.gossip_theta >= 0:
             return f"--gossip-theta must be >= 0 (0: every step, inf: never), got {self.gossip_theta}"
+        problem = self._diloco_problem()
+        if problem:
+            return problem
         if not 0 <= self.alpha <= 1:
             return f"--alpha must be in [0, 1] (SEASGD uses 0.1 to 0.5), got {self.alpha}"
         if self.nesterov and self.momentum == 0 and self.optimizer in ("sgd", "lars"):
@@ -181,6 +194,23 @@ class TrainConfig:
             return f"--ranks-per-node must be positive, got {self.ranks_per_node}"
         if self.resume == "latest" and not (self.checkpoint_dir or self.run_dir):
             return "--resume needs --checkpoint-dir or --run-dir to find the latest checkpoint"
+        return None
+
+    def _diloco_problem(self) -> Optional[str]:
+        if not self.outer_lr > 0:
+            return f"--outer-lr must be positive (DiLoCo: 0.7), got {self.outer_lr}"
+        if not 0 <= self.outer_momentum < 1:
+            return f"--outer-momentum must be in [0, 1) (DiLoCo: 0.9), got {self.outer_momentum}"
+        if self.outer_nesterov and self.outer_momentum == 0 and self.sync == "diloco":
+            return "--outer-nesterov needs --outer-momentum > 0; or pass --no-outer-nesterov"
+        if self.fragments < 1:
+            return f"--fragments must be positive, got {self.fragments}"
+        period = self.intra_period * self.inter_period
+        if not 0 <= self.fragment_sync_delay < max(period, 1):
+            return (f"--fragment-sync-delay must be in [0, {period}) (below intra_period * inter_period: a "
+                    f"fragment merges before it syncs again), got {self.fragment_sync_delay}")
+        if not 0 <= self.fragment_update_alpha <= 1:
+            return f"--fragment-update-alpha must be in [0, 1], got {self.fragment_update_alpha}"
         return None
 
     def ignored_flags(self) -> List[str]:

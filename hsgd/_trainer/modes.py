@@ -66,6 +66,17 @@ class LocalConfig(ModeConfig):
 
 
 @dataclass(frozen=True)
+class DiLoCoConfig(LocalConfig):
+    sync: ClassVar[str] = "diloco"
+    outer_lr: float = _from("outer_lr")
+    outer_momentum: float = _from("outer_momentum")
+    outer_nesterov: bool = _from("outer_nesterov")
+    fragments: int = _from("fragments")
+    fragment_sync_delay: int = _from("fragment_sync_delay")
+    fragment_update_alpha: float = _from("fragment_update_alpha")
+
+
+@dataclass(frozen=True)
 class ElasticConfig(ModeConfig):
     sync: ClassVar[str] = "elastic"
     alpha: float = _from("alpha")
@@ -86,7 +97,7 @@ class GossipConfig(ModeConfig):
 
 
 MODE_CONFIGS: Dict[str, Type[ModeConfig]] = {
-    c.sync: c for c in (SyncConfig, LocalConfig, ElasticConfig, AsyncConfig, GossipConfig)}
+    c.sync: c for c in (SyncConfig, LocalConfig, DiLoCoConfig, ElasticConfig, AsyncConfig, GossipConfig)}
 assert set(MODE_CONFIGS) == set(SYNC_MODES), "every mode has its trainer config"
 
 

@@ -5,7 +5,9 @@
 gradients (``bind="grad"``) or parameters (``"data"``) bound to this rank's
 slot (:class:`~hsgd._engine.binding.SlotBinding`) and, for
 ``HierarchicalSGD(overlap=True)``, the averaging of gradient buckets during
-backward (:class:`~hsgd._engine.overlap.BackwardOverlap`).
+backward (:class:`~hsgd._engine.overlap.BackwardOverlap`) or, for
+``HierarchicalLocalSGD(outer_optimizer=...)``, DiLoCo's outer step
+(:class:`~hsgd.hierarchical.outer.OuterLoop`).
 
 :class:`HierarchicalMode` is what :class:`~hsgd.HierarchicalSGD` and
 :class:`~hsgd.HierarchicalLocalSGD` share: the inter-node strategy and the
@@ -29,6 +31,7 @@ from ..errors import InputTypeError
 from ..inter_node import STRATEGIES
 from ..intra_node import Layout
 from .averager import HierarchicalAverager
+from .outer import OuterLoop
 
 __all__ = ["HierarchicalEngine", "HierarchicalMode"]
 
@@ -51,12 +54,15 @@ class HierarchicalEngine(Engine):
         averager: the :class:`~hsgd.hierarchical.averager.HierarchicalAverager`.
         binding: the :class:`~hsgd._engine.binding.SlotBinding` of ``params``.
         overlap: the :class:`~hsgd._engine.overlap.BackwardOverlap`, or ``None``.
+        outer: the :class:`~hsgd.hierarchical.outer.OuterLoop`, or ``None``.
     """
 
     def __init__(self, topology, params: List[torch.nn.Parameter], bind: str, inter_node: str,
                  compression: Optional[str]):
         self.averager = HierarchicalAverager(topology, _layout(params, bind), inter_node, compression)
         self.overlap: Optional[BackwardOverlap] = None
+        self.outer: Optional[OuterLoop] = None
+        self._args = (topology, params, compression)
         try:
             self.binding = SlotBinding(self.averager, params, bind, flags=bind == "grad")
         except BaseException:
@@ -68,6 +74,14 @@ class HierarchicalEngine(Engine):
         """Average the bound gradients in buckets during backward (:class:`BackwardOverlap`'s
         arguments but the averager and the binding). Collective."""
         self.overlap = BackwardOverlap(self.averager, self.binding, **kwargs)
+
+    def start_outer(self, factory, period: int, fragments: int, delay: int, alpha: float) -> None:
+        """DiLoCo's outer step over the bound parameters (:class:`OuterLoop`'s arguments), in a
+        second window of the same layout and inter-node strategy. Collective."""
+        topology, params, compression = self._args
+        self.outer = OuterLoop(topology, self.averager.layout, self.averager.inter_node, compression, params, factory,
+                               period, fragments, delay, alpha, traffic=self.averager.traffic)
+        self.outer.on_phase = self.averager.on_phase
 
     def average(self, level: str, weight: float, passes: int = 1) -> None:
         """Every rank's bound tensors := the ``level`` mean of ``weight`` x them, / ``passes``."""
@@ -84,6 +98,8 @@ class HierarchicalEngine(Engine):
     @on_phase.setter
     def on_phase(self, fn) -> None:
         self.averager.on_phase = fn
+        if self.outer is not None:
+            self.outer.on_phase = fn
 
     @property
     def traffic(self):
@@ -95,6 +111,9 @@ class HierarchicalEngine(Engine):
             ("" if compression == "none" else f", compression={compression!r}")
 
     def _close(self) -> None:
+        if self.outer is not None:
+            self.outer.close()
+            self.outer = None
         if self.overlap is not None:
             self.overlap.close()
             self.overlap = None

@@ -82,10 +82,15 @@ def _tensorboard_scalars(path):
 
 LOCAL_SGD = ["--sync", "local", "--intra-period", "2", "--inter-period", "2",
              "--ranks-per-node", "1", "--compression", "bf16"]
+# period 6, fragment 1 syncs after steps 3, 9, 15, 21 and merges 2 steps later: in flight at step 23
+STREAMING_DILOCO = ["--sync", "diloco", "--intra-period", "2", "--inter-period", "3", "--ranks-per-node", "1",
+                    "--fragments", "2", "--fragment-sync-delay", "2", "--fragment-update-alpha", "0.5",
+                    "--compression", "bf16"]
 
 
 # stop mid-epoch, and (STEPS_PER_EPOCH) on an epoch's last step
-@pytest.mark.parametrize("extra,stop_at", [([], 23), (LOCAL_SGD, 23), ([], STEPS_PER_EPOCH)])
+@pytest.mark.parametrize("extra,stop_at", [([], 23), (LOCAL_SGD, 23), (STREAMING_DILOCO, 23),
+                                           ([], STEPS_PER_EPOCH)])
 def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, extra, stop_at):
     common = [*SMALL, "--optimizer", "sgd", "--lr", "0.05", *extra]
     whole = train(2, [*common, "--run-dir", str(tmp_path / "whole")], cache)

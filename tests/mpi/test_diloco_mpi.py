@@ -1,0 +1,216 @@
+"""DiLoCo's outer step in HierarchicalLocalSGD under mpiexec: every rank's parameters equal a
+one-process float64 simulation of every replica (outer Nesterov, streaming fragments, their
+delay and mixing), an outer SGD(lr=1) is plain local SGD, a resumed run ends where an
+unstopped one does, and bad arguments are refused on every rank alike."""
+
+import copy
+
+import pytest
+import torch
+from _models import LAYOUTS, mlp
+from mpi4py import MPI
+
+from hsgd import HierarchicalDiLoCo, HierarchicalLocalSGD, Topology
+from hsgd.hierarchical.outer import fragment_groups
+
+PER_RANK = 6  # samples per rank and step
+NESTEROV = (0.7, 0.9, True)  # DiLoCo's outer lr, momentum, Nesterov
+
+
+def batch(step, rank, dtype=torch.float64):
+    """Rank ``rank``'s batch at ``step``: different on every rank and step, the same in the simulation."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(PER_RANK, 8, generator=gen, dtype=dtype), torch.randint(0, 3, (PER_RANK,), generator=gen)
+
+
+def inner(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.5)
+
+
+def outer_sgd(lr, momentum, nesterov):
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov)
+
+
+def local_step(model, opt, step, rank):
+    x, y = batch(step, rank)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def simulate(nodes, steps, H, B, outer=None, fragments=1, delay=0, alpha=0.0):
+    """Every replica of a run on one process: ``nodes[r]`` is rank r's node; ``outer``:
+    ``(lr, momentum, nesterov)`` or ``None`` (plain local SGD). Returns each rank's parameters."""
+    size, period = len(nodes), H * B
+    models = [mlp() for _ in range(size)]
+    opts = [inner(m.parameters()) for m in models]
+    params = [list(m.parameters()) for m in models]
+    n = len(params[0])
+    anchor = [torch.nn.Parameter(p.detach().clone()) for p in params[0]]
+    groups = fragment_groups([p.numel() for p in params[0]], fragments)
+    outers = [outer_sgd(*outer)(anchor[a:b]) for a, b in groups] if outer else []
+    offsets = [f * period // fragments for f in range(fragments)]
+    in_flight = {}
+
+    def mean(i, ranks):
+        return torch.stack([params[r][i].detach() for r in ranks]).mean(0)
+
+    def merge(f, delta):
+        a, b = groups[f]
+        for i in range(a, b):
+            anchor[i].grad = delta[i - a]
+        outers[f].step()
+        with torch.no_grad():
+            for r in range(size):
+                for i in range(a, b):
+                    params[r][i].mul_(alpha).add_(anchor[i].detach(), alpha=1 - alpha)
+
+    for t in range(steps):
+        for r in range(size):
+            local_step(models[r], opts[r], t, r)
+        level = "global" if t % period == 0 else "node" if t % H == 0 else None
+        if outer and level == "global":
+            level = None if (fragments == 1 and delay == 0 and alpha == 0) else "node"
+        with torch.no_grad():
+            for i in range(n) if level else ():
+                groups_of_ranks = [list(range(size))] if level == "global" else \
+                    [[r for r in range(size) if nodes[r] == node] for node in set(nodes)]
+                for ranks in groups_of_ranks:
+                    value = mean(i, ranks)
+                    for r in ranks:
+                        params[r][i].copy_(value)
+        if not outer:
+            continue
+        for f in sorted(f for f, (start, _) in in_flight.items() if start + delay == t):
+            merge(f, in_flight.pop(f)[1])
+        for f in range(fragments):
+            if t >= offsets[f] and (t - offsets[f]) % period == 0:
+                a, b = groups[f]
+                delta = [anchor[i].detach() - mean(i, range(size)) for i in range(a, b)]
+                if delay == 0:
+                    merge(f, delta)
+                else:
+                    in_flight[f] = (t, delta)
+    return [[p.detach() for p in ps] for ps in params]
+
+
+def run(comm, steps, H, B, layout="leader", **kwargs):
+    """This rank's parameters after ``steps`` steps of the real thing, and the nodes of all ranks."""
+    topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[layout](comm))
+    model = mlp(seed=comm.rank)  # the broadcast makes them equal
+    cls = HierarchicalDiLoCo if "outer_lr" in kwargs else HierarchicalLocalSGD
+    opt = cls(inner(model.parameters()), model, topology=topo, intra_period=H, inter_period=B,
+              inter_node=layout, **kwargs)
+    for t in range(steps):
+        local_step(model, opt, t, comm.rank)
+    nodes = comm.allgather(topo.node_index)
+    opt.close()
+    topo.close()
+    return [p.detach().clone() for p in model.parameters()], nodes
+
+
+def assert_close(mine, want, tol):
+    for got, expected in zip(mine, want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=tol)
+
+
+def test_an_outer_sgd_of_lr_1_is_plain_local_sgd(comm):
+    plain, _ = run(comm, 13, 2, 3)
+    outer, _ = run(comm, 13, 2, 3, outer_optimizer=outer_sgd(1.0, 0.0, False))
+    assert_close(outer, plain, 1e-12)
+
+
+@pytest.mark.parametrize("layout", ["leader", "sharded"])
+def test_nesterov_outer_step_matches_the_simulation_of_every_replica(comm, layout):
+    mine, nodes = run(comm, 16, 2, 3, layout, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)
+    want = simulate(nodes, 16, 2, 3, outer=NESTEROV)[comm.rank]
+    assert_close(mine, want, 1e-10)
+    plain = simulate(nodes, 16, 2, 3)[comm.rank]
+    assert any((a - b).abs().max() > 1e-6 for a, b in zip(mine, plain)), "the outer step changed nothing"
+
+
+@pytest.mark.parametrize("fragments,delay,alpha", [(2, 0, 0.0), (3, 2, 0.5), (4, 1, 0.0)])
+def test_streaming_fragments_delay_and_alpha_match_the_simulation(comm, fragments, delay, alpha):
+    kwargs = dict(outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True, fragments=fragments,
+                  fragment_sync_delay=delay, fragment_update_alpha=alpha)
+    mine, nodes = run(comm, 20, 2, 3, **kwargs)
+    want = simulate(nodes, 20, 2, 3, outer=NESTEROV, fragments=fragments, delay=delay, alpha=alpha)[comm.rank]
+    assert_close(mine, want, 1e-10)
+
+
+def test_a_resumed_run_ends_where_an_unstopped_one_does(comm):
+    """Stopped after step 8 with fragment 1 in flight (period 6, 2 fragments: fragment 1 syncs
+    after step 3 and 9; delay 2: after step 9 it is in flight until 11), resumed from the
+    model and optimizer state."""
+    kwargs = dict(intra_period=2, inter_period=3, fragments=2, fragment_sync_delay=2, fragment_update_alpha=0.25)
+
+    def build():
+        model = mlp()
+        return model, HierarchicalDiLoCo(inner(model.parameters()), model, **kwargs)
+
+    model, opt = build()
+    for t in range(20):
+        local_step(model, opt, t, comm.rank)
+        if t == 9:
+            assert opt.engine.outer.in_flight, "no fragment in flight at the stop"
+            # a deep copy, as torch.save makes: a state dict holds the live momentum buffers
+            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    unstopped = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    model, opt = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    for t in range(10, 20):
+        local_step(model, opt, t, comm.rank)
+    assert_close([p.detach() for p in model.parameters()], unstopped, 0.0)
+    opt.close()
+
+
+def test_each_fragment_sends_its_share_of_the_bytes(comm):
+    """Peak inter-node bytes per step: the whole model with one fragment, about 1/F with F."""
+    topo = Topology.from_comm(comm, ranks_per_node=2)
+    if topo.num_nodes == 1:
+        topo.close()
+        pytest.skip("needs two nodes")
+    peaks = {}
+    for fragments in (1, 2):
+        model = torch.nn.Sequential(*(torch.nn.Linear(32, 32, bias=False).double() for _ in range(4)))
+        opt = HierarchicalDiLoCo(torch.optim.SGD(model.parameters(), lr=0.01), model, topology=topo,
+                                 intra_period=1, inter_period=4, fragments=fragments)
+        sent = []
+        for _ in range(8):
+            before = opt.traffic["inter_bytes"]
+            opt.zero_grad()
+            model(torch.randn(2, 32, dtype=torch.float64)).sum().backward()
+            opt.step()
+            sent.append(opt.traffic["inter_bytes"] - before)
+        peaks[fragments] = comm.allreduce(max(sent), op=MPI.MAX)
+        opt.close()
+    topo.close()
+    assert peaks[1] > 0
+    assert peaks[2] <= 0.55 * peaks[1], peaks
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(fragments=2), "outer_optimizer"),
+    (dict(outer_optimizer=outer_sgd(1.0, 0.0, False), fragment_sync_delay=6), "below the global period"),
+    (dict(outer_optimizer=outer_sgd(1.0, 0.0, False), fragment_update_alpha=1.5), "fragment_update_alpha"),
+    (dict(outer_optimizer=outer_sgd(1.0, 0.0, False), fragments=5), "fragments <= 4"),
+    (dict(outer_optimizer=lambda params: "sgd"), "not a torch.optim.Optimizer"),
+    (dict(outer_optimizer=lambda params: torch.optim.SGD(params, lr=-1)), "outer_optimizer"),
+    (dict(outer_optimizer=0.7), "callable"),
+])
+def test_bad_arguments_are_refused_on_every_rank(comm, kwargs, match):
+    model = mlp()
+    with pytest.raises((ValueError, TypeError), match=match):
+        HierarchicalLocalSGD(inner(model.parameters()), model, intra_period=2, inter_period=3, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(outer_lr=0), "outer_lr"), (dict(outer_momentum=1.0), "outer_momentum"),
+    (dict(outer_momentum=0.0), "outer_nesterov needs"), (dict(outer_optimizer=outer_sgd(1, 0, False)), "builds"),
+])
+def test_bad_diloco_arguments_are_refused(comm, kwargs, match):
+    model = mlp()
+    with pytest.raises((ValueError, TypeError), match=match):
+        HierarchicalDiLoCo(inner(model.parameters()), model, **kwargs)
