@@ -15,6 +15,8 @@ import h5py
 import pytest
 from mpirun import ROOT, run_mpi
 
+from hsgd._io.tokens import write_tokens
+
 # one 1-layer transformer of width 32 over 32-byte contexts
 GPT = ["--model", "gpt", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
        "--lr", "0.003", "--progress", "lines"]
@@ -65,13 +67,12 @@ def zoo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
-    """``python -m hsgd.data text`` of two files of this repository, in blocks of 64 bytes."""
+    """What ``python -m hsgd.data text`` writes of two files of this repository, in blocks of 64
+    bytes (written in this process: the command would start MPI, whose Open MPI singleton leaves a
+    segment in /dev/shm)."""
     path = tmp_path_factory.mktemp("tokens") / "tokens.h5"
-    proc = subprocess.run([sys.executable, "-m", "hsgd.data", "text", "hsgd/_trainer/gpt.py", "hsgd/_io/tokens.py",
-                           "-o", str(path), "--block-size", "64"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return str(path)
+    return str(write_tokens(path, [str(ROOT / "hsgd/_trainer/gpt.py"), str(ROOT / "hsgd/_io/tokens.py")],
+                            block_size=64))
 
 
 def train(args, cache, zoo=None, timeout=240):
