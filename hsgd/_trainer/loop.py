@@ -3,8 +3,10 @@
 Read top to bottom: :meth:`Trainer.run` runs epochs until the last one or a
 stop; :meth:`Trainer._run_epoch` runs steps; :meth:`Trainer._train_step` is
 one step (data, forward/backward, the synchronization mode's ``step()``, the
-LR schedule). Around the steps, the loop logs every ``--log-every`` steps and
-checkpoints every ``--save-every``; everything else it does is a hook
+LR schedule); what a batch is made into, its loss and its score are the task's
+(:mod:`hsgd._trainer.tasks`: classification or language modelling). Around
+the steps, the loop logs every ``--log-every`` steps and checkpoints every
+``--save-every``; everything else it does is a hook
 (:mod:`hsgd._trainer.hooks`): the straggler simulation, load balancing, the
 stop agreement (:mod:`hsgd._trainer.stopping`), ``--stop-after`` and the
 progress display. :meth:`Trainer._end_epoch` evaluates and writes the epoch
