@@ -5,6 +5,8 @@ Subcommands::
     python -m hsgd.data convert --x X.npy --y Y.npy -o data.h5 [--test-fraction 0.2]
     python -m hsgd.data convert --npz data.npz [--npz-x x --npz-y y] -o data.h5 [--compress]
     python -m hsgd.data mnist1d -o mnist1d.h5 [--samples 5000] [--seed 42] [--compress]
+    python -m hsgd.data text [FILES ...] -o tokens.h5 [--block-size 256] [--val-fraction 0.1]
+                             [--seed 0] [--max-bytes N] [--compress]
     python -m hsgd.data inspect data.h5
 
 ``convert`` writes keys ``x, y``, or ``x_train, y_train, x_test, y_test``
@@ -19,6 +21,16 @@ order. Layout: ``x_train (0.8 n, 40) float32``, ``y_train (0.8 n,) int64``,
 ``x_test (0.2 n, 40) float32``, ``y_test (0.2 n,) int64``; file attributes
 ``source="mnist1d"``, ``seed``, ``num_samples``.
 
+``text`` writes byte-level token data for language modelling (``--model
+gpt``): the FILES' bytes concatenated in the order given, or with no FILES the
+running Python's standard-library sources (every ``*.py`` file, sorted, no
+``site-packages``; about 31 MB for Python 3.11), at most ``--max-bytes``,
+cut into blocks of ``--block-size`` bytes with their next bytes as labels,
+and a seeded random ``--val-fraction`` of the blocks as the validation split
+(keys ``x_test``/``y_test``, the trainer's default test keys). The file
+records the files read, their bytes' sha256 and ``kind="tokens"``; the
+layout is in :mod:`hsgd._io.tokens`.
+
 ``inspect`` lists data sets, shapes, dtypes, chunking, compression, and the
 read block and shuffle window the loader would use.
 
@@ -30,9 +42,11 @@ and exit with status 1 on every rank.
 from __future__ import annotations
 
 import argparse
+import platform
 import random
 import sys
 from pathlib import Path
+from typing import Optional
 
 import h5py
 import numpy as np
@@ -43,9 +57,10 @@ from ._io.data_checks import check_file
 from ._io.h5write import write_dataset, write_pairs
 from ._io.loader_setup import list_datasets, loader_block_size
 from ._io.plan import default_window_blocks
+from ._io.tokens import write_stdlib_tokens, write_tokens
 from .errors import InputFileNotFoundError, InputValueError
 
-__all__ = ["write_mnist1d", "ensure_mnist1d", "describe", "main"]
+__all__ = ["write_mnist1d", "ensure_mnist1d", "ensure_stdlib_tokens", "describe", "main"]
 
 _MIB = float(1 << 20)
 
@@ -95,6 +110,27 @@ def ensure_mnist1d(directory, *, num_samples: int = 5000, seed: int = 42, comm=N
     return path
 
 
+def ensure_stdlib_tokens(directory, *, block_size: int = 256, max_bytes: Optional[int] = None,
+                         val_fraction: float = 0.1, seed: int = 0, comm=None) -> Path:
+    """The path of cached token data of the standard library's sources in ``directory``
+    (``python -m hsgd.data text`` with no FILES), written if missing. The name holds the Python
+    version, block size, size, split and seed. With ``comm``, collective as :func:`ensure_mnist1d`."""
+    size = "all" if max_bytes is None else str(max_bytes)
+    path = Path(directory) / (f"stdlib-py{platform.python_version()}_block{block_size}_bytes{size}"
+                              f"_val{val_fraction:g}_s{seed}.h5")
+
+    def generate() -> None:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_stdlib_tokens(path, block_size=block_size, max_bytes=max_bytes,
+                                val_fraction=val_fraction, seed=seed)
+    if comm is None:
+        generate()
+    else:
+        on_root(comm, generate)
+    return path
+
+
 def describe(path) -> dict:
     """Data sets, their layout and the loader's block size, as a dict (``inspect``)."""
     check_file(path)
@@ -102,7 +138,7 @@ def describe(path) -> dict:
         rows = []
         for name, shape, dtype in list_datasets(file):
             dset = file[name]
-            label_like = dset.ndim == 1 and dset.dtype.kind in "iu"
+            label_like = (dset.ndim == 1 and dset.dtype.kind in "iu") or dset.dtype.kind not in "biufc"
             rows.append({
                 "name": name, "shape": shape, "dtype": dtype, "chunks": dset.chunks,
                 "compression": dset.compression, "compression_opts": dset.compression_opts,
@@ -192,6 +228,16 @@ def _mnist1d(args) -> str:
     return f"wrote {format_description(describe(args.output))}"
 
 
+def _text(args) -> str:
+    options = dict(block_size=args.block_size, val_fraction=args.val_fraction, seed=args.seed,
+                   max_bytes=args.max_bytes, compress=args.compress)
+    if args.files:
+        write_tokens(args.output, args.files, **options)
+    else:
+        write_stdlib_tokens(args.output, **options)
+    return f"wrote {format_description(describe(args.output))}"
+
+
 def _inspect(args) -> str:
     return format_description(describe(args.path))
 
@@ -214,7 +260,17 @@ def _parser() -> argparse.ArgumentParser:
     mnist.add_argument("--samples", type=int, default=5000,
                        help="samples generated, 80%% train / 20%% test (5000)")
     mnist.add_argument("--seed", type=int, default=42, help="generation seed (42)")
-    for sub, func in ((convert, _convert), (mnist, _mnist1d)):
+    text = commands.add_parser("text", help="byte tokens of text files (default: the standard library's "
+                                            "sources) for language modelling")
+    text.add_argument("files", nargs="*", metavar="FILES",
+                      help="text files, read in this order (default: every *.py of the running Python's "
+                           "standard library, sorted)")
+    text.add_argument("--block-size", type=int, default=256, help="bytes per sample (256)")
+    text.add_argument("--val-fraction", type=float, default=0.1,
+                      help="a seeded random choice of this fraction of the blocks validates (0.1)")
+    text.add_argument("--seed", type=int, default=0, help="seed of the split and the training order (0)")
+    text.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes (all)")
+    for sub, func in ((convert, _convert), (mnist, _mnist1d), (text, _text)):
         sub.add_argument("-o", "--output", required=True, help="HDF5 file to write")
         sub.add_argument("--compress", action="store_true", help="gzip level 4 + shuffle")
         sub.set_defaults(func=func)

@@ -29,8 +29,11 @@ by one between ranks, so reduce results once after the loop, never per batch.
 
 Batches are ``(x, y)`` (``(x, y, idx)`` with ``return_indices=True``): x in
 the file's dtype and sample shape, y and the global sample indices idx as
-int64. They are views of per-window arrays, and an array is refilled only
-once every batch of it has been released: keep batches as long as you like.
+int64. Labels are one integer per sample, ``(N,)``, or one per position,
+``(N, *label_shape)`` (the next-token targets of ``python -m hsgd.data text``);
+:attr:`sample_shape` and :attr:`label_shape` say which. They are views of
+per-window arrays, and an array is refilled only once every batch of it has
+been released: keep batches as long as you like.
 The file is opened read-only by every rank with the ordinary h5py; chunked,
 contiguous and compressed data sets all work.
 
@@ -137,6 +140,7 @@ class ContiguousH5Loader:
             agree(self.comm, error)
             self.num_samples = len(self._source.y)  # the data set's, not this rank's share
             self.sample_shape = self._source.sample_shape
+            self.label_shape = self._source.label_shape
             check_settings_agree(self.comm, self._settings())
             if check_labels:
                 check_all(self.comm, scan_labels, self._source, self.y_key,

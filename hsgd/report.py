@@ -9,6 +9,8 @@ Of ``metrics.jsonl`` (one JSON object per line) only ``"step"`` records
 (``step``, ``loss``) and ``"epoch"`` records (``epoch``, ``step``,
 ``train_loss``, ``train_acc``, ``test_loss``, ``test_acc`` as a fraction,
 ``samples_per_s``, ``seconds``, ``time`` = seconds per phase on rank 0,
+``test_bpb`` = bits per byte of a language model, ``test_loss / ln 2``, shown
+when a run has it,
 ``intra_bytes`` / ``inter_bytes`` = bytes moved inside / across nodes by all
 ranks in the epoch) are read; other events and keys are ignored (a step
 record's ``ranks``: how many ranks its loss and samples/s cover, 1 in the
@@ -136,12 +138,20 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
     return "-" if number is None else format(number * scale, spec)
 
 
+def _has_bpb(run: Run) -> bool:
+    """Whether the run modelled language: an epoch record with bits per byte."""
+    return any(as_number(e.get("test_bpb")) is not None for e in run.epochs)
+
+
 def summary_table(run: Run) -> str:
-    """A markdown table with one row per epoch, then a best-accuracy/total-time line."""
-    header = ["epoch", "train loss", "test loss", "test acc %", "samples/s", "comm share %",
-              "intra MB", "inter MB"]
+    """A markdown table with one row per epoch (with a ``test bpb`` column for a language
+    model), then a best-accuracy (and best-bpb)/total-time line."""
+    bpb = _has_bpb(run)
+    header = ["epoch", "train loss", "test loss", "test acc %", *(["test bpb"] if bpb else []),
+              "samples/s", "comm share %", "intra MB", "inter MB"]
     rows = [[str(e["epoch"]), _fmt(e.get("train_loss"), ".4f"),
              _fmt(e.get("test_loss"), ".4f"), _fmt(e.get("test_acc"), ".2f", 100.0),
+             *([_fmt(e.get("test_bpb"), ".4f")] if bpb else []),
              _fmt(e.get("samples_per_s"), ",.0f"), _fmt(_comm_share(e.get("time")), ".1f"),
              _fmt(e.get("intra_bytes"), ",.1f", 1e-6), _fmt(e.get("inter_bytes"), ",.1f", 1e-6)]
             for e in run.epochs]
@@ -153,10 +163,15 @@ def summary_table(run: Run) -> str:
 
 
 def _final_line(run: Run) -> str:
-    """``best test acc: ... (epoch N); total time: ... s over M epochs``."""
+    """``best test acc: ... (epoch N); total time: ... s over M epochs``, and for a language
+    model ``best test bpb: ... (epoch N)`` (the lowest) after the accuracy."""
     scored = [(acc, e["epoch"]) for e in run.epochs
               if (acc := as_number(e.get("test_acc"))) is not None and not math.isnan(acc)]
     best = "-" if not scored else f"{100 * max(scored)[0]:.2f}% (epoch {max(scored)[1]})"
+    bpbs = [(bpb, e["epoch"]) for e in run.epochs
+            if (bpb := as_number(e.get("test_bpb"))) is not None and not math.isnan(bpb)]
+    if bpbs:
+        best += f"; best test bpb: {min(bpbs)[0]:.4f} (epoch {min(bpbs)[1]})"
     seconds = [s for s in (as_number(e.get("seconds")) for e in run.epochs) if s is not None]
     total = "-" if not seconds else f"{sum(seconds):.1f} s over {len(seconds)} epochs"
     return f"best test acc: {best}; total time: {total}"

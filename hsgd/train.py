@@ -5,11 +5,15 @@ Launch::
     mpiexec -n 4 python -m hsgd.train                      # MNIST-1D, the paper's CNN
     mpiexec -n 4 python -m hsgd.train --optimizer lars --lr 2 --batch-size 4096 --scale-lr
     mpiexec -n 8 python -m hsgd.train --data my.h5 --x-key x --y-key y --model resnet
+    mpiexec -n 4 python -m hsgd.train --model gpt           # a transformer on byte tokens
+    mpiexec -n 4 python -m hsgd.train --model mypkg.models:build --data my.h5   # your own model
     srun --mpi=pmi2 python -m hsgd.train --run-dir runs/a --resume   # see scripts/slurm/
     python -m hsgd.train --help                            # every option, with defaults
 
-With no ``--data``, rank 0 generates MNIST-1D (offline, package ``mnist1d``)
-into a cache directory the first time; every rank then reads its share through
+With no ``--data``, rank 0 generates MNIST-1D (offline, package ``mnist1d``),
+or for ``--model gpt`` the byte tokens of the Python standard library's sources
+(:mod:`hsgd._io.tokens`), into a cache directory the first time; every rank
+then reads its share through
 :class:`~hsgd.parallel_io.ContiguousH5Loader`. Each run writes ``RUN_DIR``
 with ``config.json``, ``metrics.jsonl`` (see :mod:`hsgd.report`) and
 ``checkpoints/``. On SIGUSR1 or SIGTERM (Slurm's warning before the time

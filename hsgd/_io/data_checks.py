@@ -60,13 +60,16 @@ def check_x_dtype(dtype, name: str) -> None:
                               "support; store samples as float32 or float64") from None
 
 
-def check_y(dtype, shape, name: str) -> None:
-    """Labels must be a 1-D array of integers."""
+def check_y(dtype, shape, name: str, per_position: bool = False) -> None:
+    """Labels must be integers, one per sample: a 1-D array; with ``per_position`` also one per
+    position of a sample, ``(N, *label_shape)`` (next-token targets of token data)."""
     dtype = np.dtype(dtype)
     if dtype.kind not in "iu":
         raise InputValueError(f"y data set '{name}' has dtype {dtype}; labels must be integer "
                               "class indices (convert them with y.astype(np.int64))")
-    if len(shape) != 1:
+    if len(shape) == 0 and per_position:
+        raise InputValueError(f"y data set '{name}' is a scalar; labels need one row per sample")
+    if len(shape) != 1 and not per_position:
         raise InputValueError(f"y data set '{name}' has shape {tuple(shape)}; labels must be "
                               "1-D, one integer per sample (flatten them with y.reshape(-1))")
 

@@ -136,6 +136,7 @@ class H5Source:
         self.file, self.x, self.y = file, file[x_key], file[y_key]
         self.x_dtype = np.dtype(self.x.dtype).newbyteorder("=")
         self.sample_shape = tuple(self.x.shape[1:])
+        self.label_shape = tuple(self.y.shape[1:])  # () for one label per sample
         self._fd = os.open(file.filename, os.O_RDONLY) if direct else -1
         try:
             self._x = _RowReader(self.x, self._fd, direct)
@@ -163,7 +164,7 @@ class H5Source:
     def empty(self, rows: int):
         """Uninitialized x (native dtype) and int64 y buffers for ``rows`` samples."""
         return (np.empty((rows, *self.sample_shape), dtype=self.x_dtype),
-                np.empty(rows, dtype=np.int64))
+                np.empty((rows, *self.label_shape), dtype=np.int64))
 
     def close(self) -> None:
         if self._fd >= 0:

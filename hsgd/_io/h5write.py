@@ -83,10 +83,11 @@ def _gather(array, rows):
     return out
 
 
-def check_pair(x, y, x_name="x", y_name="y") -> None:
-    """The converter's checks on in-memory (or memory-mapped) x and y."""
+def check_pair(x, y, x_name="x", y_name="y", per_position: bool = False) -> None:
+    """The converter's checks on in-memory (or memory-mapped) x and y; ``per_position``: y may
+    hold a label per position of a sample, ``(N, ...)``, not only one per sample."""
     check_x_dtype(x.dtype, x_name)
-    check_y(y.dtype, y.shape, y_name)
+    check_y(y.dtype, y.shape, y_name, per_position)
     if x.ndim == 0:
         raise InputValueError(f"x '{x_name}' is a scalar; it needs one row per sample")
     if 0 in x.shape[1:]:
@@ -97,11 +98,14 @@ def check_pair(x, y, x_name="x", y_name="y") -> None:
 
 
 def write_pairs(path, pairs: Sequence[Pair], *, compress: bool = False,
-                attrs: Optional[Dict] = None) -> Path:
-    """Write ``(x, y)`` pairs, each with its own chunk rows, to ``path`` atomically."""
+                attrs: Optional[Dict] = None, extra: Optional[Dict[str, np.ndarray]] = None) -> Path:
+    """Write ``(x, y)`` pairs, each with its own chunk rows, to ``path`` atomically; ``extra``:
+    more data sets written as they are (a manifest, indices), which the loader does not read."""
     for x_name, y_name, x, y, _ in pairs:
-        check_pair(x, y, x_name, y_name)
+        check_pair(x, y, x_name, y_name, per_position=True)
     with atomic_h5(path) as file:
+        for name, array in (extra or {}).items():
+            file.create_dataset(name, data=array)
         for x_name, y_name, x, y, rows in pairs:
             count = len(x) if rows is None else len(rows)
             sample_bytes = x.dtype.itemsize * int(np.prod(x.shape[1:]))

@@ -77,7 +77,7 @@ def _check_datasets(file, path, x_key, y_key) -> None:
     if x.ndim == 0:
         raise InputValueError(f"x data set '{x_key}' is a scalar; it needs one row per sample")
     check_x_dtype(x.dtype, x_key)
-    check_y(y.dtype, y.shape, y_key)
+    check_y(y.dtype, y.shape, y_key, per_position=True)
     check_lengths(len(x), len(y), x_key, y_key)
 
 

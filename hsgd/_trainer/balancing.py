@@ -20,6 +20,7 @@ from .._core.agree import collective_error
 from ..balance import LoadBalancer
 from ..errors import InputValueError
 from .hooks import Hook
+from .tasks import Classification, Task
 
 __all__ = ["Balancing", "BUSY_PHASES"]
 
@@ -32,7 +33,7 @@ class Balancing(Hook):
     """The trainer's load balancing, a hook; collective to build (the warm-up) and in :meth:`epoch_start`."""
 
     def __init__(self, cfg, loader, opt, model, device, comm, straggle: Optional[Callable[[float], None]],
-                 autocast=contextlib.nullcontext):
+                 autocast=contextlib.nullcontext, task: Optional[Task] = None):
         self.cfg, self.loader, self.opt, self.comm = cfg, loader, opt, comm
         self.balancer: Optional[LoadBalancer] = None
         self._busy = None  # (busy seconds, steps) of the last epoch
@@ -47,7 +48,8 @@ class Balancing(Hook):
             return
         self.balancer = LoadBalancer(loader, opt, comm)
         if cfg.balance:
-            work = _calibration_work(model, loader, opt, device, comm, straggle, autocast)
+            work = _calibration_work(model, loader, opt, device, comm, straggle, autocast,
+                                     task or Classification(0))
             shares = self.balancer.calibrate(work)
             if comm.Get_rank() == 0:
                 logger.info("--balance: batch shares %s after a warm-up", shares)
@@ -68,20 +70,20 @@ class Balancing(Hook):
         self._busy = (sum(times[phase] for phase in BUSY_PHASES), steps)
 
 
-def _calibration_work(model, loader, opt, device, comm, straggle, autocast):
+def _calibration_work(model, loader, opt, device, comm, straggle, autocast, task: Task):
     """One step's computation (forward under ``autocast()``, backward, straggling) on ``b``
-    synthetic samples, leaving no trace: the gradients are zeroed, buffers and the RNG state
-    restored."""
+    synthetic samples (``task``'s), leaving no trace: the gradients are zeroed, buffers and the
+    RNG state restored."""
     data = torch.Generator().manual_seed(comm.Get_rank())
-    x = torch.randn(loader.batch_size, *loader.sample_shape, generator=data).to(device)
-    y = torch.zeros(len(x), dtype=torch.long, device=device)
+    x, y = task.synthetic(loader.batch_size, loader.sample_shape, data, device)
 
     def work(b: int) -> None:
         rng, buffers = torch.get_rng_state(), [t.clone() for t in model.buffers()]
         start = time.perf_counter()
         with opt.no_sync():  # overlap=True: no averaging in backward
             with autocast():
-                loss = torch.nn.functional.cross_entropy(model(x[:b]), y[:b])
+                inputs, targets = task.inputs((x[:b], y[:b]), device)
+                loss = task.loss(model(inputs), targets)
             loss.backward()
         if straggle is not None:
             straggle(time.perf_counter() - start)

@@ -23,7 +23,7 @@ from ..gossip.graphs import GRAPHS
 from ..gossip.sgd import DEFAULT_THETA
 from ..inter_node import STRATEGIES
 from ..modes import SYNC_MODES
-from .models import MODELS
+from .models import GPTConfig, model_problem
 from .modes import MODE_CONFIGS, mode_flags
 
 __all__ = ["TrainConfig", "parse_config", "default_cache_dir"]
@@ -54,10 +54,21 @@ class TrainConfig:
     mnist1d_samples: int = _opt(40000, "training samples of the generated MNIST-1D, plus a quarter as many "
                                          "test samples (10000 for 40000)")
     # --- model and optimizer ---
-    model: str = _opt("cnn", "mlp | cnn (1-D signals) | resnet (images)", choices=list(MODELS))
+    model: str = _opt("cnn", "mlp | cnn (1-D signals) | resnet (images) | gpt (a small transformer over "
+                             "byte tokens; without --data it trains on the Python standard library's sources) "
+                             "| package.module:factory (your own: called as factory(sample_shape=..., "
+                             "num_classes=...), returning a torch.nn.Module)", metavar="MODEL")
     width: Optional[int] = _opt(None, "the model's width: hidden units of mlp (100), channels of cnn (25), "
                                       "channels of resnet's first stage (16; then 2x and 4x); a wider model "
                                       "has more parameters to average per step")
+    n_layer: int = _opt(4, "gpt: transformer blocks")
+    n_head: int = _opt(4, "gpt: attention heads per block (a divisor of --n-embd)")
+    n_embd: int = _opt(128, "gpt: embedding width")
+    block_size: int = _opt(128, "gpt: context length in tokens, at most the data's blocks (longer blocks are "
+                                "cut into contexts of this length); the default corpus is written in blocks "
+                                "of this length")
+    corpus_bytes: int = _opt(0, "gpt without --data: use the first N bytes of the standard library's sources "
+                                "(0: all, about 31 MB); written once into --cache-dir")
     optimizer: str = _opt("adamw", "sgd | lars | adamw", choices=["sgd", "lars", "adamw"])
     lr: float = _opt(0.01, "peak learning rate (before --scale-lr)")
     momentum: float = _opt(0.9, "momentum (sgd, lars)")
@@ -190,6 +201,9 @@ class TrainConfig:
             return problem
         if self.width is not None and self.width <= 0:
             return f"--width must be positive (the mlp's default is 100), got {self.width}"
+        problem = self._model_problem()
+        if problem:
+            return problem
         if self.ranks_per_node is not None and self.ranks_per_node <= 0:
             return f"--ranks-per-node must be positive, got {self.ranks_per_node}"
         if self.resume == "latest" and not (self.checkpoint_dir or self.run_dir):
@@ -245,6 +259,26 @@ class TrainConfig:
             raise collective_error(InputValueError, f"--straggler {self.straggler}: there is no rank "
                                    f"{straggler[0]} in a job of {world_size} ranks; pick one below {world_size}")
         return straggler[1] if straggler[0] == rank else 1.0
+
+    def _model_problem(self) -> Optional[str]:
+        """--model's form and the transformer's shape (the data is checked when the model is built)."""
+        problem = model_problem(self.model)
+        if problem:
+            return problem
+        for name in ("n_layer", "n_head", "n_embd", "block_size"):
+            if getattr(self, name) < 1:
+                return f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}"
+        if self.n_embd % self.n_head:
+            fits = self.n_embd - self.n_embd % self.n_head or self.n_head
+            return (f"--n-embd {self.n_embd} must be a multiple of --n-head {self.n_head} (each head takes "
+                    f"n_embd / n_head dimensions), e.g. --n-embd {fits}")
+        if self.corpus_bytes < 0:
+            return f"--corpus-bytes must be >= 0 (0: the whole corpus), got {self.corpus_bytes}"
+        return None
+
+    def gpt(self) -> GPTConfig:
+        """The transformer's shape from --n-layer, --n-head, --n-embd, --block-size."""
+        return GPTConfig(block_size=self.block_size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
 
     def _milestones_problem(self) -> Optional[str]:
         if not self.milestones:

@@ -3,8 +3,10 @@
 Read top to bottom: :meth:`Trainer.run` runs epochs until the last one or a
 stop; :meth:`Trainer._run_epoch` runs steps; :meth:`Trainer._train_step` is
 one step (data, forward/backward, the synchronization mode's ``step()``, the
-LR schedule). Around the steps, the loop logs every ``--log-every`` steps and
-checkpoints every ``--save-every``; everything else it does is a hook
+LR schedule); what a batch is made into, its loss and its score are the task's
+(:mod:`hsgd._trainer.tasks`: classification or language modelling). Around
+the steps, the loop logs every ``--log-every`` steps and checkpoints every
+``--save-every``; everything else it does is a hook
 (:mod:`hsgd._trainer.hooks`): the straggler simulation, load balancing, the
 stop agreement (:mod:`hsgd._trainer.stopping`), ``--stop-after`` and the
 progress display. :meth:`Trainer._end_epoch` evaluates and writes the epoch
@@ -46,6 +48,7 @@ from .precision import MixedPrecision
 from .progress import Progress
 from .setup import build, setup
 from .stopping import STOP_CHECK_STEPS, stop_agreement
+from .tasks import Task
 from .training import checkpoint_state, evaluate, restore, resume_state
 
 __all__ = ["Trainer", "EXIT_REQUEUE", "STOP_CHECK_STEPS"]
@@ -64,7 +67,7 @@ class Trainer:
         self.is_main = self.topo.rank == 0
         self.amp = MixedPrecision(cfg.amp, self.device)
         self.stall = StallInspector(self.topo.comm)  # the mode's too: one count of synchronizations
-        self.train_loader, self.test_loader, self.model, self.opt, self.scheduler = \
+        self.train_loader, self.test_loader, self.task, self.model, self.opt, self.scheduler = \
             build(cfg, self.topo, self.device, self.stall)
         self.step, self.epoch, self.best = 0, 0, 0.0
         self.comm = self.stall.watched(comm, lambda: self.step)  # the trainer's own collectives
@@ -81,7 +84,7 @@ class Trainer:
         slowdown = cfg.straggler_factor(comm.Get_rank(), comm.Get_size())  # 1: not slowed
         straggler = Straggler(slowdown, self.clock) if slowdown > 1 else None
         balancing = Balancing(cfg, self.train_loader, self.opt, self.model, self.device, self.comm,
-                              straggler.stretch if straggler else None, self.amp.autocast)
+                              straggler.stretch if straggler else None, self.amp.autocast, self.task)
         self.clock.take()  # --balance's warm-up is not training time
         self.hooks = Hooks([straggler, balancing, stop_agreement(self.opt, comm, stopper, self.step, self.stall),
                             StopAfter(cfg.stop_after) if cfg.stop_after else None,
@@ -147,7 +150,7 @@ class Trainer:
         with self.clock.phase("data"):
             batch = next(batches)
         loss, correct, n, finite = _fit_batch(self.model, self.opt, batch, self.device, self.clock,
-                                              self.amp, average_first=self._average_first)
+                                              self.amp, self.task, average_first=self._average_first)
         if self._guard:
             self._check_finite(finite)
         self.scheduler.step()
@@ -196,13 +199,13 @@ class Trainer:
         with self.clock.phase("eval"):
             test_loss, test_acc = evaluate(self.model, self.test_loader, self.comm, self.device,
                                            shared=self.opt.shared_state_dict if self.opt.replicas_differ else None,
-                                           autocast=self.amp.autocast)
+                                           autocast=self.amp.autocast, task=self.task)
         times.update(self.clock.take())
         self.best = max(self.best, test_acc)
         seen = max(totals[2].item(), 1.0)  # 0 when resumed exactly at the epoch's end
-        record = dict(epoch=self.epoch, step=self.step, train_loss=totals[0].item() / seen,
-                      train_acc=totals[1].item() / seen, test_loss=test_loss,
-                      test_acc=test_acc, lr=self.scheduler.get_last_lr()[0],
+        record = dict(epoch=self.epoch, step=self.step,
+                      **self.task.metrics(totals[0].item() / seen, totals[1].item() / seen, test_loss, test_acc),
+                      lr=self.scheduler.get_last_lr()[0],
                       samples_per_s=totals[2].item() / train_seconds,
                       seconds=train_seconds + times["eval"], time=dict(times), **self._epoch_ranks(steps_per_s))
         self.log.write("epoch", **record)
@@ -241,20 +244,20 @@ def _open_log(run_dir, comm, tensorboard: bool) -> MetricsLog:
     return check_all(comm, MetricsLog, run_dir, enabled=comm.Get_rank() == 0, tensorboard=tensorboard)
 
 
-def _fit_batch(model, opt, batch, device, clock, amp: MixedPrecision, average_first: bool = False):
+def _fit_batch(model, opt, batch, device, clock, amp: MixedPrecision, task: Task, average_first: bool = False):
     """Forward (under ``amp``'s autocast), backward, average, update; returns (loss, correct,
-    samples, finite). With ``average_first`` (a mode with ``gradients_finite``) the gradients
-    are averaged, then unscaled (``--amp fp16``), and a step whose averages hold NaN or Inf is
-    not taken (``finite`` False), on every rank alike."""
-    x = batch[0].to(device, torch.float32, non_blocking=True)  # any stored dtype, e.g. uint8 images
-    y = batch[1].to(device, non_blocking=True)
+    samples, finite). ``task`` makes the inputs and the loss and scores the batch
+    (:mod:`hsgd._trainer.tasks`). With ``average_first`` (a mode with ``gradients_finite``) the
+    gradients are averaged, then unscaled (``--amp fp16``), and a step whose averages hold NaN or
+    Inf is not taken (``finite`` False), on every rank alike."""
+    x, y = task.inputs(batch, device)
     # The optimizer update counts as compute; averaging (in backward with --overlap, else in
     # step()) is already in intra/inter.
     with clock.phase("compute", excluding=("intra", "inter")):
         opt.zero_grad()
         with amp.autocast():
             out = model(x)
-            loss = torch.nn.functional.cross_entropy(out, y)
+            loss = task.loss(out, y)
         amp.backward(loss)
     finite = True
     with clock.phase("compute", excluding=("intra", "inter")):
@@ -268,5 +271,5 @@ def _fit_batch(model, opt, batch, device, clock, amp: MixedPrecision, average_fi
         else:
             amp.step(opt)
         amp.update()
-    correct = (out.argmax(1) == y).sum().item()
-    return loss.item(), float(correct), float(y.numel()), finite
+    correct, samples = task.score(out, y)
+    return loss.item(), correct, samples, finite

@@ -1,4 +1,4 @@
-"""The trainer's models, built from the data's sample shape and class count.
+"""The trainer's models, built from the data's sample shape and class count (or vocabulary).
 
 * ``mlp``: the MNIST-1D paper's MLP (Greydanus 2020): flatten, two hidden
   layers of 100 ReLU units (``width``).
@@ -9,10 +9,18 @@
   with three stages of 16/32/64 channels (``width`` 16) and one basic block per stage).
   Samples are ``(C, H, W)`` or ``(H, W, C)`` (channels-last is detected when
   the last dimension is 1, 3 or 4 and the first is not).
+* ``gpt``: a small decoder-only transformer over byte tokens
+  (:mod:`hsgd._trainer.gpt`), for token data (``python -m hsgd.data text``);
+  ``--n-layer``, ``--n-head``, ``--n-embd``, ``--block-size`` (its context,
+  at most the data's blocks).
+* ``package.module:factory``: your own model (:mod:`hsgd._trainer.factory`).
+
+The first three classify (:data:`CLASSIFIERS`); ``gpt`` models language.
 
 Example::
 
     >>> model = build_model("cnn", sample_shape=(40,), num_classes=10)
+    >>> model = build_model("gpt", sample_shape=(256,), num_classes=256, gpt=GPTConfig(block_size=128))
 """
 
 from __future__ import annotations
@@ -23,10 +31,14 @@ import torch
 from torch import nn
 
 from ..errors import InputValueError
+from .factory import build_from_factory, is_factory, spec_problem
+from .gpt import GPT, GPTConfig
 
-__all__ = ["build_model", "MODELS", "WIDTHS"]
+__all__ = ["build_model", "model_problem", "MODELS", "CLASSIFIERS", "WIDTHS", "GPTConfig"]
 
-MODELS = ("mlp", "cnn", "resnet")
+MODELS = ("mlp", "cnn", "resnet", "gpt")
+#: The built-in models that classify (the others: ``gpt``, language modelling).
+CLASSIFIERS = ("mlp", "cnn", "resnet")
 #: Each model's default width (``--width``): hidden units, channels, first-stage channels.
 WIDTHS = {"mlp": 100, "cnn": 25, "resnet": 16}
 
@@ -97,18 +109,34 @@ def _is_channels_last(shape: Sequence[int]) -> bool:
     return shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)
 
 
-def build_model(name: str, sample_shape: Sequence[int], num_classes: int,
-                width: Optional[int] = None) -> nn.Module:
-    """Build model ``name`` for samples of ``sample_shape`` and ``num_classes`` classes;
-    ``width``: the mlp's hidden units, the cnn's channels or the resnet's first-stage channels
-    (``None``: the defaults of :data:`WIDTHS`).
+def model_problem(name: str) -> Optional[str]:
+    """What is wrong with ``--model name`` before anything is built, or None."""
+    if name in MODELS:
+        return None
+    if is_factory(name):
+        return spec_problem(name)
+    return (f"--model {name!r} is not a built-in model ({' | '.join(MODELS)}); give your own as "
+            f"package.module:factory, e.g. mypkg.models:build")
 
-    Raises ``ValueError`` naming the model and the shapes it accepts when the
+
+def build_model(name: str, sample_shape: Sequence[int], num_classes: int,
+                width: Optional[int] = None, gpt: Optional[GPTConfig] = None) -> nn.Module:
+    """Build model ``name`` for samples of ``sample_shape`` and ``num_classes`` classes (for
+    ``gpt`` and token data: the vocabulary size); ``width``: the mlp's hidden units, the cnn's
+    channels or the resnet's first-stage channels (``None``: the defaults of :data:`WIDTHS`);
+    ``gpt``: the transformer's shape (``None``: :class:`GPTConfig`'s defaults). A name with a
+    colon is your own factory (:func:`~hsgd._trainer.factory.build_from_factory`).
+
+    Raises ``InputValueError`` naming the model and the shapes it accepts when the
     data does not fit it.
     """
     shape = tuple(int(s) for s in sample_shape)
+    if is_factory(name):
+        return build_from_factory(name, shape, num_classes)
     if name not in MODELS:
-        raise InputValueError(f"Unknown model {name!r}; choose one of {list(MODELS)}")
+        raise InputValueError(model_problem(name))
+    if name == "gpt":
+        return _build_gpt(shape, num_classes, gpt or GPTConfig())
     if width is not None and width < 1:
         raise InputValueError(f"the model's width must be positive, got {width}")
     width = WIDTHS[name] if width is None else int(width)
@@ -127,3 +155,17 @@ def build_model(name: str, sample_shape: Sequence[int], num_classes: int,
     channels_last = _is_channels_last(shape)
     return ResNet(shape[-1] if channels_last else shape[0], num_classes, channels_last,
                   widths=(width, 2 * width, 4 * width))
+
+
+def _build_gpt(shape, vocab_size: int, cfg: GPTConfig) -> GPT:
+    if len(shape) != 1:
+        raise InputValueError(f"model 'gpt' takes blocks of tokens, samples of shape (T,); the data has "
+                              f"samples of shape {shape}. Write token data with python -m hsgd.data text")
+    if cfg.block_size > shape[0]:
+        raise InputValueError(f"--block-size {cfg.block_size} is longer than the data's blocks of {shape[0]} "
+                              f"tokens; use --block-size <= {shape[0]}, or write the data with "
+                              f"python -m hsgd.data text --block-size {cfg.block_size}")
+    if cfg.n_embd % cfg.n_head:
+        raise InputValueError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
+    return GPT(GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
+                         n_head=cfg.n_head, n_embd=cfg.n_embd))

@@ -48,10 +48,11 @@ class Progress(Hook):
             self.bar.close()
             self.bar = None
         if self.mode != "none":
-            logger.info("epoch %3d  train loss %.4f acc %5.2f%%  test loss %.4f acc %5.2f%%  "
+            bpb = f"bpb {record['test_bpb']:.3f}  " if "test_bpb" in record else ""  # language modelling
+            logger.info("epoch %3d  train loss %.4f acc %5.2f%%  test loss %.4f acc %5.2f%%  %s"
                         "lr %.3g  %.0f samples/s  comm %.0f%%  %.1f s",
                         record["epoch"], record["train_loss"], 100 * record["train_acc"],
-                        record["test_loss"], 100 * record["test_acc"], record["lr"],
+                        record["test_loss"], 100 * record["test_acc"], bpb, record["lr"],
                         record["samples_per_s"], 100 * _comm_share(record["time"]), record["seconds"])
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ from .config import TrainConfig
 from .models import build_model
 from .modes import mode_config
 from .precision import check_amp
+from .tasks import choose_task, data_kind
 from .training import dataset_length, make_optimizer, make_scheduler, num_classes, prepare_data, test_batch_size
 
 __all__ = ["setup", "build"]
@@ -98,8 +99,9 @@ def _make_run_dir(cfg: TrainConfig, topo: Topology) -> str:
 
 
 def build(cfg, topo, device, stall=None):
-    """Data loaders, model, optimizer, schedule: the same on every rank. ``stall``: the
-    stall inspector that the mode shares with the trainer (``None``: its own)."""
+    """Data loaders, the task (:mod:`hsgd._trainer.tasks`), model, optimizer, schedule: the same
+    on every rank. ``stall``: the stall inspector that the mode shares with the trainer
+    (``None``: its own)."""
     comm = topo.comm
     if cfg.batch_size % topo.size:
         raise collective_error(InputValueError, f"--batch-size {cfg.batch_size} is the global batch and "
@@ -113,16 +115,19 @@ def build(cfg, topo, device, stall=None):
                                f"{max(topo.size, n - n % topo.size)} or more data")
     train = ContiguousH5Loader(train_path, cfg.x_key, cfg.y_key, batch_size=cfg.batch_size // topo.size,
                                comm=comm, seed=cfg.seed)
+    classes = num_classes(train_path, cfg.y_key, comm)
+    task = check_all(comm, choose_task, cfg.model, data_kind(train_path, comm), train_path, train.sample_shape,
+                     train.label_shape, classes, cfg.block_size)
     test = ContiguousH5Loader(test_path, cfg.test_x_key, cfg.test_y_key, comm=comm, shuffle=False,
                               drop_last=False, pad=False, check_labels=False,
-                              batch_size=test_batch_size(test_path, cfg.test_y_key, comm))
-    classes = num_classes(train_path, cfg.y_key, comm)
+                              batch_size=test_batch_size(test_path, cfg.test_y_key, comm, task.eval_batch))
     torch.manual_seed(cfg.seed)
-    model = check_all(comm, build_model, cfg.model, train.sample_shape, classes, cfg.width).to(device)
+    model = check_all(comm, build_model, cfg.model, train.sample_shape, task.num_classes, cfg.width,
+                      cfg.gpt()).to(device)
     inner = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, inner, len(train))
     opt = mode_config(cfg).build(inner, model, topo, stall=stall)
-    logger.info("%s; %d train / %d test samples of shape %s, %d classes; %s %s",
-                opt, train.num_samples, test.num_samples, tuple(train.sample_shape), classes,
+    logger.info("%s; %d train / %d test samples of shape %s, %s; %s %s",
+                opt, train.num_samples, test.num_samples, tuple(train.sample_shape), task.describe(),
                 cfg.model, cfg.optimizer)
-    return train, test, model, opt, scheduler
+    return train, test, task, model, opt, scheduler

@@ -20,7 +20,7 @@ import torch
 from mpi4py import MPI
 
 from .._core.agree import check_all, on_root
-from ..data import ensure_mnist1d
+from ..data import ensure_mnist1d, ensure_stdlib_tokens
 from ..errors import InputValueError
 from ..lars import LARS
 from ..parallel_io import ContiguousH5Loader
@@ -28,6 +28,7 @@ from ..replicas import average_buffers
 from ..schedules import WarmupMultiStepLR, WarmupPolyLR, scaled_lr
 from .checkpoint import load_checkpoint, newest_loadable
 from .config import TrainConfig
+from .tasks import Classification, Task
 
 __all__ = ["prepare_data", "num_classes", "dataset_length", "test_batch_size", "make_optimizer", "make_scheduler",
            "evaluate", "resume_state", "checkpoint_state", "restore"]
@@ -36,7 +37,17 @@ logger = logging.getLogger(__name__)
 
 
 def prepare_data(cfg: TrainConfig, comm) -> Tuple[str, str]:
-    """Paths of the training and test files; generates MNIST-1D when no ``--data``."""
+    """Paths of the training and test files; when no ``--data``, generates MNIST-1D, or for
+    ``--model gpt`` token data of the standard library's sources (``--corpus-bytes``)."""
+    if cfg.data is None and cfg.model == "gpt":
+        max_bytes = cfg.corpus_bytes or None
+        if comm.Get_rank() == 0:
+            logger.info("data: %s of the Python standard library's sources in blocks of %d bytes, in %s",
+                        "all" if max_bytes is None else f"{max_bytes} bytes", cfg.block_size,
+                        cfg.resolved_cache_dir())
+        path = ensure_stdlib_tokens(cfg.resolved_cache_dir(), block_size=cfg.block_size, max_bytes=max_bytes,
+                                    comm=comm)
+        return str(path), cfg.test_data or str(path)
     if cfg.data is None:
         samples = int(round(cfg.mnist1d_samples / 0.8))  # mnist1d keeps 80% for training
         if comm.Get_rank() == 0:
@@ -99,36 +110,38 @@ def make_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
 
 
 @torch.no_grad()
-def evaluate(model, loader: ContiguousH5Loader, comm, device, shared=None, autocast=contextlib.nullcontext):
-    """Mean loss and top-1 accuracy over the whole split, each sample counted once, the forward
-    pass inside ``autocast()`` (the training step's, with ``--amp``).
+def evaluate(model, loader: ContiguousH5Loader, comm, device, shared=None, autocast=contextlib.nullcontext,
+             task: Optional[Task] = None):
+    """Mean loss and accuracy over the whole split, each sample counted once, the forward
+    pass inside ``autocast()`` (the training step's, with ``--amp``); ``task`` (default:
+    classification) turns batches into inputs and scores them (:mod:`hsgd._trainer.tasks`).
 
     ``shared``: for a mode whose replicas differ (local SGD between averaging
     steps, the parameter box), its ``shared_state_dict``; the score is that
     of this model, the one a checkpoint holds, and each rank's own replica is
     put back afterwards. Collective.
     """
+    task = task or Classification(0)
     if shared is None:
         average_buffers(model, comm)
-        return _score(model, loader, comm, device, autocast)
+        return _score(model, loader, comm, device, autocast, task)
     own = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.load_state_dict(shared())
     try:
-        return _score(model, loader, comm, device, autocast)
+        return _score(model, loader, comm, device, autocast, task)
     finally:
         model.load_state_dict(own)
 
 
-def _score(model, loader, comm, device, autocast) -> Tuple[float, float]:
+def _score(model, loader, comm, device, autocast, task: Task) -> Tuple[float, float]:
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
-    for x, y in loader:
-        x, y = x.to(device, torch.float32, non_blocking=True), y.to(device, non_blocking=True)
+    for batch in loader:
+        x, y = task.inputs(batch, device)
         with autocast():
             out = model(x)
-            sums[0] += torch.nn.functional.cross_entropy(out, y, reduction="sum").item()
-        sums[1] += (out.argmax(1) == y).sum().item()
-        sums[2] += y.numel()
+            loss_sum, correct, count = task.sums(out, y)
+        sums += torch.tensor([loss_sum, correct, count], dtype=torch.float64)
     model.train()
     comm.Allreduce(MPI.IN_PLACE, sums.numpy(), op=MPI.SUM)
     return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()

@@ -315,7 +315,7 @@ def bad_inputs(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     return [
-        ("model", ["--model", "transformer"], "invalid choice: 'transformer'"),
+        ("model", ["--model", "transformer"], "--model 'transformer' is not a built-in model"),
         ("lr", ["--lr", "0"], "--lr must be positive"),
         ("missing", ["--data", str(tmp_path / "nope.h5")], "nope.h5"),
         ("not hdf5", ["--data", str(not_h5)], "HDF5"),

@@ -40,6 +40,15 @@ from hsgd.train import parse_config
     (["--overlap", "--bucket-cap-mb", "0"], "--bucket-cap-mb"),
     (["--bucket-cap-mb", "nan"], "--bucket-cap-mb"),
     (["--width", "0"], "--width"),
+    (["--model", "transformer"], "--model 'transformer' is not a built-in model"),
+    (["--model", "mypkg.models:"], "--model 'mypkg.models:': give your own model as package.module:factory"),
+    (["--model", "my-pkg:build"], "package.module:factory"),
+    (["--model", "gpt", "--n-layer", "0"], "--n-layer must be a positive integer"),
+    (["--model", "gpt", "--n-head", "0"], "--n-head must be a positive integer"),
+    (["--model", "gpt", "--n-embd", "-8"], "--n-embd must be a positive integer"),
+    (["--model", "gpt", "--block-size", "0"], "--block-size must be a positive integer"),
+    (["--model", "gpt", "--n-embd", "100", "--n-head", "3"], "--n-embd 100 must be a multiple of --n-head 3"),
+    (["--model", "gpt", "--corpus-bytes", "-1"], "--corpus-bytes must be >= 0"),
 ])
 def test_bad_flags_are_named(argv, flag):
     problem = parse_config(argv).validate()
@@ -56,6 +65,9 @@ def test_bad_flags_are_named(argv, flag):
     ["--straggler", "0:1"],
     ["--sync", "gossip", "--gossip-theta", "inf", "--gossip-graph", "ring"],
     ["--model", "mlp", "--width", "1000"],
+    ["--model", "gpt", "--n-embd", "96", "--n-head", "3", "--block-size", "64", "--corpus-bytes", "100000"],
+    ["--model", "mypkg.models:build"],
+    ["--model", "mypkg.models:Zoo.small"],
 ])
 def test_good_flags_pass(argv):
     assert parse_config(argv).validate() is None

@@ -168,6 +168,24 @@ def test_batches_hold_the_file_rows(tmp_path, layout, shape, dtype):
         np.testing.assert_array_equal(yb.numpy(), y[idx.numpy()])
 
 
+@pytest.mark.parametrize("layout,shuffle", [("chunked", True), ("gzip", False), ("contiguous", True)])
+def test_labels_per_position_come_with_their_rows(tmp_path, layout, shuffle):
+    """Token data: y holds one label per position, (N, T) uint8, and is batched as (b, T) int64."""
+    tokens = (np.arange(257 * 6 + 1) * 7 % 256).astype(np.uint8)
+    x, y = tokens[:-1].reshape(257, 6), tokens[1:].reshape(257, 6)
+    options = {} if layout == "contiguous" else {"chunks": (16, 6), "compression": "gzip" if layout == "gzip" else None}
+    with h5py.File(tmp_path / "t.h5", "w") as f:
+        f.create_dataset("x", data=x, **options)
+        f.create_dataset("y", data=y, **options)
+    with loader(tmp_path / "t.h5", block_size=20, shuffle=shuffle) as ld:
+        assert ld.sample_shape == (6,) and ld.label_shape == (6,)
+        batches = list(ld)
+    for xb, yb, idx in batches:
+        assert xb.dtype == torch.uint8 and yb.dtype == torch.int64 and yb.shape == (8, 6)
+        np.testing.assert_array_equal(yb.numpy(), y[idx.numpy()])
+        np.testing.assert_array_equal(xb.numpy()[:, 1:], yb.numpy()[:, :-1])
+
+
 def test_buffer_pool_reuses_only_unreferenced_arrays(tmp_path):
     make_h5(tmp_path / "d.h5")
     with loader(tmp_path / "d.h5") as ld:
@@ -521,7 +539,7 @@ def _write(path, **datasets):
      "labels must be integer class indices"),
     ({"x": np.zeros((10, 2)), "y": np.array([0, 1, 2, -4, 0, 0, 0, 0, 0, 0])}, {},
      ValueError, "negative label -4 at sample 3"),
-    ({"x": np.zeros((10, 2)), "y": np.zeros((10, 1), int)}, {}, ValueError, "must be 1-D"),
+    ({"x": np.zeros((10, 2)), "y": np.int64(3)}, {}, ValueError, "'y' is a scalar; labels need one row"),
 ])
 def test_bad_files_raise_clear_errors(tmp_path, datasets, kw, error, message):
     path = _write(tmp_path / "bad.h5", **datasets)

@@ -153,6 +153,18 @@ def test_table_shows_dash_for_missing_values():
     assert table.splitlines()[-1] == "best test acc: -; total time: -"
 
 
+def test_language_model_runs_show_bits_per_byte():
+    """A --model gpt run's records carry test_bpb: a column and the lowest in the last line;
+    a classification run's table has no such column (test_table_numbers)."""
+    epochs = [epoch_record(e, acc, test_bpb=bpb, train_bpb=bpb + 0.1)
+              for e, (acc, bpb) in enumerate(((0.3, 2.5), (0.2, 1.75), (0.25, 1.8)))]
+    table = summary_table(Run(config={}, epochs=epochs))
+    assert "| test bpb |" in table.splitlines()[0]
+    assert "bpb" not in summary_table(Run(config={}, epochs=[epoch_record(0, 0.3)]))
+    assert [row[4] for row in table_rows(table)] == ["2.5000", "1.7500", "1.8000"]
+    assert table.splitlines()[-1].startswith("best test acc: 30.00% (epoch 0); best test bpb: 1.7500 (epoch 1);")
+
+
 def test_best_accuracy_is_the_maximum_not_the_last():
     epochs = [epoch_record(0, 0.3), epoch_record(1, 0.8), epoch_record(2, 0.7)]
     assert "best test acc: 80.00% (epoch 1)" in summary_table(Run(config={}, epochs=epochs))
