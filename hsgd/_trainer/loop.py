@@ -75,6 +75,7 @@ class Trainer:
             self._resume()
         self.clock = PhaseClock(self.topo.rank, trace=cfg.timeline is not None)
         self.opt.on_phase = self.clock.record
+        self._sent_before = self.opt.traffic["inter_bytes"]
         self._guard = cfg.nonfinite_limit > 0 and self.opt.finite_guard
         # --amp fp16 in --sync sync: the scaler unscales the averages, so that every rank's scaler
         # sees the same gradients and keeps the same scale
@@ -189,9 +190,11 @@ class Trainer:
             ranks = self.comm.Get_size()
         times = self.clock.take()
         epoch_times.update(times)
+        sent = self.opt.traffic["inter_bytes"]  # rank 0's own, since its last record: no collective
         record = dict(epoch=self.epoch, step=self.step, loss=(window[0] / window[2]).item(),
                       lr=self.scheduler.get_last_lr()[0], samples_per_s=window[2].item() / seconds,
-                      ranks=ranks, time=times)
+                      ranks=ranks, time=times, own_inter_bytes=sent - self._sent_before)
+        self._sent_before = sent
         self.log.write("step", **record)
         self.hooks.logged(record)
 

@@ -21,6 +21,7 @@ Subcommands (one module each in this package, listed in :data:`SUBCOMMANDS`):
 - ``modes``: accuracy, stragglers and load balancing of the ``--sync`` modes;
 - ``gossip``: traffic and accuracy of adaptive gossip;
 - ``lars``: large batches, SGD vs scaled SGD vs LARS;
+- ``diloco``: hierarchical DiLoCo and streaming DiLoCo vs synchronous and local SGD;
 - ``faults``: every fault hsgd handles, injected, and how the job ended;
 - ``model``: predicted communication per step on clusters of up to 4096 nodes;
 - ``train``: training steps side by side with torch DDP, torch's model averagers and Horovod.
@@ -48,6 +49,7 @@ SUBCOMMANDS = (
     "modes",
     "gossip",
     "lars",
+    "diloco",
     "faults",
     "model",
     "train",

@@ -27,14 +27,15 @@ class Runs:
     :class:`~hsgd.bench._harness.Progress` stepped after each run, warm-up included;
     ``commands``: every run's command line; ``crossed``: across emulated hosts, what each host
     sent and received over its link during the last run (``[(sent, received), ...]``, the
-    whole job: start-up, training, evaluation), else ``None``."""
+    whole job: start-up, training, evaluation), else ``None``; ``steps``: the last run's step
+    records."""
 
     def __init__(self, ranks: int, tmp: str, cache_dir: Optional[str] = None, extra: Sequence[str] = (),
                  warmup: int = 1, progress=None, warmup_options: Sequence[str] = (), where=None):
         self.ranks, self.tmp, self.extra, self.count = ranks, Path(tmp), list(extra), 0
         self.where = where  # a Placement: across its emulated hosts instead (ranks: its own)
         self.cache = cache_dir or str(self.tmp / "cache")
-        self.progress, self.commands, self.crossed = progress, [], None
+        self.progress, self.commands, self.crossed, self.steps = progress, [], None, []
         for _ in range(warmup):
             self(*warmup_options, "--epochs", "1")
 
@@ -55,5 +56,6 @@ class Runs:
         self.commands.append(cmd)
         if self.progress is not None:
             self.progress.step(" ".join(options))
-        records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        self.steps = [r for r in records if r["event"] == "step"]
         return [r for r in records if r["event"] == "epoch"], seconds

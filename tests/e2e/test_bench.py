@@ -50,6 +50,12 @@ SMOKE = {
     "lars": (["--ranks", "2", "--epochs", "2", "--samples", "2000", "--runs", "sgd-256", "--cache-dir", "{cache}"],
              "| run | epochs | steps | final test acc | best test acc | final train loss | wall s |",
              lambda raw: [[r["seconds"] for r in raw]], 1),
+    "diloco": (["--ranks", "2", "--ranks-per-node", "1", "--period", "4", "--fragments", "2", "--epochs", "1",
+                "--warmup", "0", "--cache-dir", "{cache}", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+                "--block-size", "32", "--corpus-bytes", "100000"],
+               "| run | steps | val loss | vs sync | bits/byte | inter-node MB | sync / this "
+               "| peak MB per step (rank 0) | wall s |",
+               lambda raw: [[r["seconds"]] for r in raw], 1),
     "faults": (["--ranks", "2", "--rows", "raise"],
                "| fault | injected | exit | what the job said | s to end | left behind | test |",
                lambda raw: [[r["seconds"] for r in raw]], 1),
@@ -96,6 +102,11 @@ def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, ca
     assert record["tables"][0]["rows"] and record["environment"]["cpus"] >= 1
     measured = repeated(record["raw"])
     assert measured and all(len(m) == repeats and all(isinstance(v, float) for v in m) for m in measured), measured
+    if name == "diloco":  # equal steps; local SGD and DiLoCo cross nodes every 4th step, streaming half as much
+        rows = {r["run"]: r for r in record["raw"]}
+        assert len({r["steps"] for r in rows.values()}) == 1, rows
+        assert rows["local 4"]["inter_bytes"] < rows["sync"]["inter_bytes"] / 3, rows
+        assert rows["streaming 4/2"]["peak_step_bytes"] < 0.6 * rows["diloco 4"]["peak_step_bytes"], rows
     if name == "faults":  # the row says what happened, and the job left nothing behind
         (row,) = record["raw"]
         assert row["exit"] != 0 and "a bug on rank 1" in row["said"] and row["left"] == [], row

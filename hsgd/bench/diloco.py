@@ -1,0 +1,102 @@
+"""Hierarchical DiLoCo against synchronous SGD and plain local SGD, at equal steps.
+
+One command (each run is ``mpiexec -n RANKS python -m hsgd.train``)::
+
+    python -m hsgd.bench diloco                         # 4 ranks as 2 virtual nodes, the gpt workload
+    python -m hsgd.bench diloco --period 4 8 --fragments 4 --epochs 2
+    python -m hsgd.bench diloco --hosts 2 --ranks-per-host 2 --link 1gbit   # as root: across hosts
+
+Every run trains the same model on the same data for the same number of steps
+(``--epochs``; options this benchmark does not know go to ``python -m
+hsgd.train``, e.g. ``--n-layer 2``), one run at a time:
+
+- ``sync``: synchronous SGD (gradients averaged every step);
+- ``local H``: hierarchical local SGD, parameters averaged in the node every
+  step and across nodes every ``H`` steps (``--intra-period 1 --inter-period H``);
+- ``diloco H``: the same periods, the global round DiLoCo's outer step (SGD,
+  lr ``--outer-lr``, Nesterov momentum 0.9);
+- ``streaming H/F``: DiLoCo with ``--fragments F`` and ``--fragment-sync-delay``.
+
+The table gives the final validation loss (and bits per byte where the
+workload reports it), its difference from ``sync``, the inter-node bytes of
+the whole run (all ranks, from the epoch records) and their ratio to
+``sync``'s, and the peak bytes rank 0 sent across nodes in one step (the step
+records' ``own_inter_bytes`` at ``--log-every 1``; rank 0 is a node leader,
+and with ``--inter-node leader`` it sends its node's share).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from ._harness import Progress, Result, Table, int_at_least, positive_float
+from ._launch import add_hosts_options, check_hosts_options, placement
+from ._training import Runs
+
+PASSES_ON = True  # options this module does not know go to python -m hsgd.train
+WORKLOAD = ("--model", "gpt")  # hsgd.train's defaults for the rest (data: the Python standard library)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--ranks", type=int_at_least(2), default=4, help="ranks of every run (4)")
+    p.add_argument("--ranks-per-node", type=int_at_least(1), default=2, help="virtual node size (2)")
+    p.add_argument("--epochs", type=int_at_least(1), default=1, help="epochs of every run (1)")
+    p.add_argument("--period", type=int_at_least(1), nargs="+", default=[16],
+                   help="global periods H to compare, in steps (16)")
+    p.add_argument("--fragments", type=int_at_least(1), default=4, help="streaming DiLoCo's fragments (4)")
+    p.add_argument("--delay", type=int_at_least(0), default=1, help="--fragment-sync-delay of the streaming runs (1)")
+    p.add_argument("--outer-lr", type=positive_float, default=0.7, help="DiLoCo's outer lr (0.7)")
+    p.add_argument("--warmup", type=int_at_least(0), default=1,
+                   help="untimed one-epoch runs first; the first builds the data set (1)")
+    p.add_argument("--cache-dir", default=None, help="where the data set is built (default: a temp dir)")
+    add_hosts_options(p)
+
+
+def check(args, extra, parser) -> None:
+    check_hosts_options(args, parser, min_ranks=2, why=" (two nodes)")
+    if any(args.delay >= h for h in args.period):
+        parser.error(f"--delay {args.delay} must be below every --period {args.period}")
+
+
+def _runs(args):
+    yield "sync", ["--sync", "sync"]
+    for h in args.period:
+        periods = ["--intra-period", "1", "--inter-period", str(h)]
+        yield f"local {h}", ["--sync", "local", *periods]
+        diloco = ["--sync", "diloco", *periods, "--outer-lr", str(args.outer_lr)]
+        yield f"diloco {h}", diloco
+        yield f"streaming {h}/{args.fragments}", [*diloco, "--fragments", str(args.fragments),
+                                                  "--fragment-sync-delay", str(args.delay)]
+
+
+def run(args, extra) -> Result:
+    runs = list(_runs(args))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, placement(args) as where, \
+            Progress(args.warmup + len(runs), "hsgd.bench diloco", args.progress) as progress:
+        ranks = args.ranks if where is None else where.ranks
+        common = [*WORKLOAD, "--epochs", str(args.epochs), "--log-every", "1", *extra]
+        if where is None:
+            common += ["--ranks-per-node", str(args.ranks_per_node)]
+        train = Runs(ranks, tmp, args.cache_dir, common, args.warmup, progress, where=where)
+        for name, options in runs:
+            epochs, seconds = train(*options)
+            last = epochs[-1]
+            rows.append({"run": name, "options": options, "val_loss": last["test_loss"],
+                         "bits_per_byte": last.get("test_bpb"), "steps": last["step"],
+                         "inter_bytes": sum(e["inter_bytes"] for e in epochs),
+                         "peak_step_bytes": max((s.get("own_inter_bytes", 0) for s in train.steps), default=0),
+                         "seconds": seconds})
+        shape = f"{ranks} ranks, nodes of {args.ranks_per_node}" if where is None else where.describe()
+    sync = rows[0]
+    table = Table(("run", "steps", "val loss", "vs sync", "bits/byte", "inter-node MB", "sync / this",
+                   "peak MB per step (rank 0)", "wall s"),
+                  title=f"{shape}; {' '.join(common)}; one run each")
+    for r in rows:
+        ratio = sync["inter_bytes"] / r["inter_bytes"] if r["inter_bytes"] else float("inf")
+        bpb = "-" if r["bits_per_byte"] is None else f"{r['bits_per_byte']:.3f}"
+        table.rows.append([r["run"], str(r["steps"]), f"{r['val_loss']:.4f}",
+                           f"{100 * (r['val_loss'] / sync['val_loss'] - 1):+.2f}%", bpb,
+                           f"{r['inter_bytes'] / 1e6:.1f}", f"{ratio:.1f}x", f"{r['peak_step_bytes'] / 1e6:.2f}",
+                           f"{r['seconds']:.0f}"])
+    return Result([table], rows)
