@@ -14,7 +14,7 @@ hsgd.train``, e.g. ``--n-layer 2``), one run at a time:
 - ``local H``: hierarchical local SGD, parameters averaged in the node every
   step and across nodes every ``H`` steps (``--intra-period 1 --inter-period H``);
 - ``diloco H``: the same periods, the global round DiLoCo's outer step (SGD,
-  lr ``--outer-lr``, Nesterov momentum 0.9);
+  lr ``--outer-lr``, Nesterov momentum ``--outer-momentum``; DiLoCo's 0.7 and 0.9);
 - ``streaming H/F``: DiLoCo with ``--fragments F`` and ``--fragment-sync-delay``.
 
 The table gives the final validation loss (and bits per byte where the
@@ -46,6 +46,7 @@ def add_arguments(p) -> None:
     p.add_argument("--fragments", type=int_at_least(1), default=4, help="streaming DiLoCo's fragments (4)")
     p.add_argument("--delay", type=int_at_least(0), default=1, help="--fragment-sync-delay of the streaming runs (1)")
     p.add_argument("--outer-lr", type=positive_float, default=0.7, help="DiLoCo's outer lr (0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum (0.9)")
     p.add_argument("--warmup", type=int_at_least(0), default=1,
                    help="untimed one-epoch runs first; the first builds the data set (1)")
     p.add_argument("--cache-dir", default=None, help="where the data set is built (default: a temp dir)")
@@ -54,6 +55,8 @@ def add_arguments(p) -> None:
 
 def check(args, extra, parser) -> None:
     check_hosts_options(args, parser, min_ranks=2, why=" (two nodes)")
+    if not 0 < args.outer_momentum < 1:
+        parser.error(f"--outer-momentum must be in (0, 1) (Nesterov), got {args.outer_momentum}")
     if any(args.delay >= h for h in args.period):
         parser.error(f"--delay {args.delay} must be below every --period {args.period}")
 
@@ -63,7 +66,8 @@ def _runs(args):
     for h in args.period:
         periods = ["--intra-period", "1", "--inter-period", str(h)]
         yield f"local {h}", ["--sync", "local", *periods]
-        diloco = ["--sync", "diloco", *periods, "--outer-lr", str(args.outer_lr)]
+        diloco = ["--sync", "diloco", *periods, "--outer-lr", str(args.outer_lr),
+                  "--outer-momentum", str(args.outer_momentum)]
         yield f"diloco {h}", diloco
         yield f"streaming {h}/{args.fragments}", [*diloco, "--fragments", str(args.fragments),
                                                   "--fragment-sync-delay", str(args.delay)]
