@@ -40,6 +40,7 @@ import torch
 
 from .._core.agree import check_all, collective_error
 from .._core.closable import Closable
+from .._core.forward import forwarded
 from ..errors import InputTypeError, InputValueError
 from ..faults import protect
 from ..faults.stall import StallInspector
@@ -206,14 +207,8 @@ class SyncMode(InnerOptimizer, Closable):
         self._check_open()
         broadcast_optimizer_state(self, self.topology.comm, root, root_rank=root_rank)
 
-    @property
-    def on_phase(self):
-        """``None`` or ``fn(name, start, end)``, called with the time of each communication phase."""
-        return self.engine.on_phase
-
-    @on_phase.setter
-    def on_phase(self, fn) -> None:
-        self.engine.on_phase = fn
+    on_phase = forwarded("engine.on_phase", doc="``None`` or ``fn(name, start, end)``, called with the time "
+                                                "of each communication phase.")
 
     @property
     def traffic(self) -> Dict[str, int]:

@@ -15,9 +15,19 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from ._launch import job, run_job
+from ._harness import int_at_least
+from ._launch import add_hosts_options, job, run_job
 
-__all__ = ["Runs"]
+__all__ = ["Runs", "add_run_options"]
+
+
+def add_run_options(p, data: str = "MNIST-1D") -> None:
+    """The options every training benchmark shares: ``--warmup``, ``--cache-dir`` (where
+    ``data`` is built) and those of the emulated hosts."""
+    p.add_argument("--warmup", type=int_at_least(0), default=1,
+                   help=f"untimed one-epoch runs first; the first builds {data} (1)")
+    p.add_argument("--cache-dir", default=None, help=f"where {data} is built (default: a temp dir)")
+    add_hosts_options(p)
 
 
 class Runs:

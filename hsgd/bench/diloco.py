@@ -30,8 +30,8 @@ from __future__ import annotations
 import tempfile
 
 from ._harness import Progress, Result, Table, int_at_least, positive_float
-from ._launch import add_hosts_options, check_hosts_options, placement
-from ._training import Runs
+from ._launch import check_hosts_options, placement
+from ._training import Runs, add_run_options
 
 PASSES_ON = True  # options this module does not know go to python -m hsgd.train
 WORKLOAD = ("--model", "gpt")  # hsgd.train's defaults for the rest (data: the Python standard library)
@@ -47,10 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--delay", type=int_at_least(0), default=1, help="--fragment-sync-delay of the streaming runs (1)")
     p.add_argument("--outer-lr", type=positive_float, default=0.7, help="DiLoCo's outer lr (0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum (0.9)")
-    p.add_argument("--warmup", type=int_at_least(0), default=1,
-                   help="untimed one-epoch runs first; the first builds the data set (1)")
-    p.add_argument("--cache-dir", default=None, help="where the data set is built (default: a temp dir)")
-    add_hosts_options(p)
+    add_run_options(p, data="the token data set")
 
 
 def check(args, extra, parser) -> None:

@@ -39,9 +39,9 @@ from __future__ import annotations
 import tempfile
 
 from ._harness import Progress, Result, Table, int_at_least
-from ._launch import add_hosts_options, check_hosts_options, placement
+from ._launch import check_hosts_options, placement
 from ._links import link_rates, wire_limit
-from ._training import Runs
+from ._training import Runs, add_run_options
 
 PASSES_ON = True  # options this module does not know go to python -m hsgd.train
 COLUMNS = ("run", "intra MB", "inter MB", "traffic vs every-step gossip", "wall s", "train s",
@@ -56,12 +56,9 @@ def add_arguments(p) -> None:
     p.add_argument("--thetas", type=float, nargs="*", default=[0.03, 0.1, 0.3],
                    help="--gossip-theta values besides 0 (0.03 0.1 0.3)")
     p.add_argument("--graph", default="exponential", help="--gossip-graph (exponential)")
-    p.add_argument("--warmup", type=int_at_least(0), default=1,
-                   help="untimed one-epoch runs first; the first generates the data set (1)")
-    p.add_argument("--cache-dir", default=None, help="where MNIST-1D is generated (default: a temp dir)")
     p.add_argument("--sync-balance", action="store_true",
                    help="also a --sync sync --balance run (load balancing against gossip)")
-    add_hosts_options(p)
+    add_run_options(p)
 
 
 def check(args, extra, parser) -> None:

@@ -35,8 +35,8 @@ import statistics
 import tempfile
 
 from ._harness import Progress, Result, Table, int_at_least, median, positive_float
-from ._launch import add_hosts_options, check_hosts_options, placement
-from ._training import Runs
+from ._launch import check_hosts_options, placement
+from ._training import Runs, add_run_options
 
 PASSES_ON = True  # options this module does not know go to python -m hsgd.train
 PARTS = ("accuracy", "straggler", "balance")
@@ -52,10 +52,7 @@ def add_arguments(p) -> None:
     p.add_argument("--straggler-epochs", type=int_at_least(1), default=3, help="epochs of each straggler run (3)")
     p.add_argument("--repeats", type=int_at_least(1), default=3,
                    help="runs with and without the straggler, per mode (3)")
-    p.add_argument("--warmup", type=int_at_least(0), default=1,
-                   help="untimed one-epoch runs first; the first generates the data set (1)")
-    p.add_argument("--cache-dir", default=None, help="where MNIST-1D is generated (default: a temp dir)")
-    add_hosts_options(p)
+    add_run_options(p)
 
 
 def check(args, extra, parser) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from .._core.agree import collective_error
 from .._core.checks import check_choice
+from .._core.forward import forwarded
 from .._engine.binding import SlotBinding
 from .._engine.engine import Engine
 from .._engine.mode import SyncMode
@@ -91,15 +92,7 @@ class HierarchicalEngine(Engine):
         self.averager.average(level, 1.0 / passes)
         self.binding.scatter()
 
-    @property
-    def on_phase(self):
-        return self.averager.on_phase
-
-    @on_phase.setter
-    def on_phase(self, fn) -> None:
-        self.averager.on_phase = fn
-        if self.outer is not None:
-            self.outer.on_phase = fn
+    on_phase = forwarded("averager.on_phase", "outer.on_phase")
 
     @property
     def traffic(self):

@@ -40,6 +40,7 @@ import torch
 
 from .._core.agree import check_all, collective_error
 from .._core.closable import Closable
+from .._core.forward import forwarded
 from .._engine.binding import slot_views
 from ..errors import InputTypeError, InputValueError
 from .averager import HierarchicalAverager
@@ -101,13 +102,7 @@ class OuterLoop(Closable):
         self._resend: Dict[int, Tuple[int, List[torch.Tensor]]] = {}
         self._opened()
 
-    @property
-    def on_phase(self):
-        return self.window.on_phase
-
-    @on_phase.setter
-    def on_phase(self, fn) -> None:
-        self.window.on_phase = fn
+    on_phase = forwarded("window.on_phase")
 
     # --- the schedule --------------------------------------------------------------------------
     def starts(self, fragment: int, step: int) -> bool:
