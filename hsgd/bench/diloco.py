@@ -22,7 +22,9 @@ workload reports it), its difference from ``sync``, the inter-node bytes of
 the whole run (all ranks, from the epoch records) and their ratio to
 ``sync``'s, and the peak bytes rank 0 sent across nodes in one step (the step
 records' ``own_inter_bytes`` at ``--log-every 1``; rank 0 is a node leader,
-and with ``--inter-node leader`` it sends its node's share).
+and with ``--inter-node leader`` it sends its node's share). Across emulated
+hosts the raw JSON also holds what each host's link carried during each run
+(``link_bytes``: ``[sent, received]`` per host, the whole job).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def run(args, extra) -> Result:
                          "bits_per_byte": last.get("test_bpb"), "steps": last["step"],
                          "inter_bytes": sum(e["inter_bytes"] for e in epochs),
                          "peak_step_bytes": max((s.get("own_inter_bytes", 0) for s in train.steps), default=0),
-                         "seconds": seconds})
+                         "seconds": seconds, "link_bytes": train.crossed})
         shape = f"{ranks} ranks, nodes of {args.ranks_per_node}" if where is None else where.describe()
     sync = rows[0]
     table = Table(("run", "steps", "val loss", "vs sync", "bits/byte", "inter-node MB", "sync / this",
