@@ -1,0 +1,2 @@
+"""The bottom layer: agreement between ranks, argument checks, byte counters, waits, closing and
+leftover checks. It imports nothing from the rest of hsgd."""

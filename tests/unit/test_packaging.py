@@ -1,0 +1,23 @@
+"""What the wheel ships: every folder of hsgd/ with Python in it must be a package that setuptools
+finds, or ``pip install .`` leaves it out while a run from the source tree still imports it (hsgd/_core
+once had no __init__.py: every installed ``python -m hsgd.train`` died on import). CI builds and
+installs the wheel itself (.ci/wheel.sh); this catches the cause in a second."""
+from pathlib import Path
+
+from setuptools import find_packages
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_source_folder_of_hsgd_is_a_package_the_wheel_includes():
+    with_python = {
+        ".".join(path.parent.relative_to(ROOT).parts)
+        for path in (ROOT / "hsgd").rglob("*.py")
+    }
+    found = set(find_packages(str(ROOT), include=["hsgd", "hsgd.*"]))
+    assert with_python - found == set(), "add an __init__.py to these folders"
+
+
+def test_the_package_ships_its_type_marker():
+    assert (ROOT / "hsgd" / "py.typed").is_file()
+    assert "py.typed" in (ROOT / "setup.cfg").read_text()
