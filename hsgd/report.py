@@ -123,10 +123,11 @@ def _read_config(path: Path) -> dict:
 
 
 def _comm_share(time) -> Optional[float]:
-    """Percent of data + compute + intra + inter spent in intra + inter."""
+    """Percent of data + compute + intra + inter spent in intra + inter. A phase missing from the
+    record took no time (a run on one node has no ``inter``), as the trainer's progress line counts it."""
     if not isinstance(time, dict):
         return None
-    parts = {key: as_number(time.get(key)) for key in _COMM + _WORK}
+    parts = {key: as_number(time.get(key, 0.0)) for key in _COMM + _WORK}
     if None in parts.values() or sum(parts.values()) <= 0:
         return None
     return 100.0 * sum(parts[key] for key in _COMM) / sum(parts.values())

@@ -153,6 +153,13 @@ def test_table_shows_dash_for_missing_values():
     assert table.splitlines()[-1] == "best test acc: -; total time: -"
 
 
+def test_comm_share_of_a_one_node_run_counts_its_missing_inter_phase_as_zero():
+    """One node: the trainer records no ``inter`` time; the share is intra's, as the progress line says."""
+    record = {"event": "epoch", "epoch": 0, "train_loss": 1.0,
+              "time": {"data": 0.1, "compute": 0.5, "intra": 0.4}}
+    assert table_rows(summary_table(Run(config={}, epochs=[record])))[0][5] == "40.0"
+
+
 def test_language_model_runs_show_bits_per_byte():
     """A --model gpt run's records carry test_bpb: a column and the lowest in the last line;
     a classification run's table has no such column (test_table_numbers)."""
