@@ -24,6 +24,8 @@ __all__ = ["NamedParameters", "model_of"]
 class NamedParameters(torch.nn.Module):
     """A module whose parameters are the given ``(name, parameter)`` pairs, and no buffers."""
 
+    _pairs: List[Tuple[str, torch.nn.Parameter]]
+
     def __init__(self, pairs: List[Tuple[str, torch.nn.Parameter]]):
         super().__init__()
         object.__setattr__(self, "_pairs", list(pairs))  # not registered: names may hold dots
