@@ -168,7 +168,7 @@ class SyncMode(InnerOptimizer, Closable):
             raise
         self._opened()
 
-    def _check(self, **settings: Any) -> None:
+    def _check(self, *args: Any, **settings: Any) -> None:
         """Raise an :class:`~hsgd.errors.InputError` for a bad setting of this mode."""
 
     def _make_engine(self, params: List[torch.nn.Parameter]) -> Engine:
