@@ -113,9 +113,7 @@ class _Pipeline:
         self.win: Optional[MPI.Win] = MPI.Win.Allocate_shared(nbytes, 8, comm=slots.comm)
         try:
             buf, _ = self.win.Shared_query(0)
-            # numpy's stubs take only the builtin buffer types before Python 3.12 (collections.abc.Buffer)
-            self.board = np.frombuffer(buf, dtype=np.int64,  # type: ignore[call-overload]
-                                       count=slots.local_size * 3 * n)
+            self.board = np.frombuffer(buf, dtype=np.int64, count=slots.local_size * 3 * n)  # type: ignore[call-overload]  # numpy's stubs take no mpi4py buffer before Python 3.12
             self.board = self.board.reshape(slots.local_size, 3, n)
             self.win.Lock_all(MPI.MODE_NOCHECK)
             if self.me == 0:
