@@ -273,6 +273,8 @@ class SyncMode(InnerOptimizer, Closable):
         return 1.0 if scale is None else 1.0 / float(scale)
 
     # --- the step ----------------------------------------------------------------------------
+    # override: torch overloads step() (no closure -> None, a closure -> float); one signature
+    # with both cannot repeat the overloads
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         """Run ``closure`` (if any), then the mode's synchronized step. Collective."""
         self._check_open()
