@@ -45,11 +45,17 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._core.agree import check_all
 from ._core.checks import check_int
 from .errors import InputValueError
+
+if TYPE_CHECKING:  # at run time these import MPI and h5py
+    from mpi4py import MPI
+
+    from ._engine.mode import SyncMode
+    from .parallel_io import ContiguousH5Loader
 
 __all__ = ["LoadBalancer", "balanced_shares"]
 
@@ -118,7 +124,7 @@ class LoadBalancer:
         comm: the ranks (default the loader's communicator).
     """
 
-    def __init__(self, loader, optimizer, comm=None):
+    def __init__(self, loader: ContiguousH5Loader, optimizer: SyncMode, comm: Optional[MPI.Comm] = None) -> None:
         if not getattr(type(optimizer), "balances", False):
             raise InputValueError(f"{type(optimizer).__name__} does not weight ranks by batch size; "
                                   "load balancing needs HierarchicalSGD or HierarchicalLocalSGD")
@@ -157,8 +163,7 @@ class LoadBalancer:
     def rebalance(self, busy_seconds: float, steps: int) -> List[int]:
         """Shares for the next epoch from this rank's ``busy_seconds`` over its last ``steps``
         steps (time computing, not waiting for the others). Collective; call between epochs."""
-        if self.fixed is None:
-            raise RuntimeError("LoadBalancer.rebalance before calibrate(): the step-time model is unset")
+        fixed, per_sample = self._model("rebalance")
         size = self.loader.rank_batch_size  # the batch the time was measured at
         measured = busy_seconds / steps if steps > 0 and busy_seconds > 0 else None
         everyone = self.comm.allgather((size, measured))
@@ -166,22 +171,29 @@ class LoadBalancer:
         for r, (b, t) in enumerate(everyone):
             if t is not None and math.isfinite(t):
                 # Halfway (geometrically) to the measurement: one noisy epoch moves little.
-                scale = math.sqrt(t / (self.fixed[r] + self.per_sample[r] * b))
-                self.fixed[r] *= scale
-                self.per_sample[r] *= scale
-        candidate = balanced_shares(self.fixed, self.per_sample, self.total)
+                scale = math.sqrt(t / (fixed[r] + per_sample[r] * b))
+                fixed[r] *= scale
+                per_sample[r] *= scale
+        candidate = balanced_shares(fixed, per_sample, self.total)
         if self.step_time(candidate) > (1 - HYSTERESIS) * self.step_time(sizes):
             return sizes  # not worth a change: shares that stay put measure more cleanly
         return self._set(candidate)
 
     def step_time(self, shares: Sequence[int]) -> float:
         """The model's step time (the slowest rank's) for ``shares``, in seconds."""
-        return max(a + c * b for a, c, b in zip(self.fixed, self.per_sample, shares))
+        fixed, per_sample = self._model("step_time")
+        return max(a + c * b for a, c, b in zip(fixed, per_sample, shares))
+
+    def _model(self, what: str) -> Tuple[List[float], List[float]]:
+        """``(fixed, per_sample)`` of every rank; raises ``RuntimeError`` before :meth:`calibrate`."""
+        if self.fixed is None or self.per_sample is None:
+            raise RuntimeError(f"LoadBalancer.{what} before calibrate(): the step-time model is unset")
+        return self.fixed, self.per_sample
 
     def _set(self, shares: Optional[List[int]] = None) -> List[int]:
         if self.loader.position != 0:  # resumed mid-epoch: the saved shares finish the epoch
             return self.shares
-        shares = shares or balanced_shares(self.fixed, self.per_sample, self.total)
+        shares = shares or balanced_shares(*self._model("calibrate"), self.total)
         self.loader.set_shares(shares)
         self.apply_shares()
         return shares
@@ -192,7 +204,7 @@ def _time_work(work: Callable[[int], object], small: int, big: int, repeats: int
     and ``work(big)`` over ``repeats``, after one untimed call of each."""
     for size in (small, big):  # untimed: first-call costs (allocation, caching) out of the way
         work(size)
-    times = {small: [], big: []}
+    times: Dict[int, List[float]] = {small: [], big: []}
     for _ in range(repeats):
         for size in (small, big):
             start = time.perf_counter()
@@ -201,7 +213,7 @@ def _time_work(work: Callable[[int], object], small: int, big: int, repeats: int
     return _fit(small, statistics.median(times[small]), big, statistics.median(times[big]))
 
 
-def _fit(small: int, t_small: float, big: int, t_big: float):
+def _fit(small: int, t_small: float, big: int, t_big: float) -> Tuple[float, float]:
     """``(a, c)`` of ``t = a + c * b`` through two timings, kept non-negative (c positive)."""
     if big == small or t_big <= t_small:  # one size, or noise: all of it per sample
         return 0.0, max(t_big, t_small, 1e-9) / big

@@ -32,23 +32,30 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Literal, Optional
 
 import torch
 
 from ._core.agree import attempt, collective_error
 from .errors import InputError, InputTypeError, InputValueError
 
+if TYPE_CHECKING:  # importing mpi4py.MPI initializes MPI: not at import time
+    from mpi4py import MPI
+
+    from .topology import Topology
+
 __all__ = ["rank", "size", "local_rank", "local_size", "barrier", "allreduce", "allreduce_", "allgather",
            "broadcast", "broadcast_", "allreduce_object", "allgather_object", "broadcast_object", "OPS"]
 
 OPS = ("mean", "sum", "min", "max")
+#: The reductions, as a type: what ``op`` takes.
+ReduceOp = Literal["mean", "sum", "min", "max"]
 _HALF = (torch.float16, torch.bfloat16)
 _INTEGER = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-_world_topology = None
+_world_topology: Optional[Topology] = None
 
 
-def _comm(comm):
+def _comm(comm: Optional[MPI.Comm]) -> MPI.Comm:
     if comm is not None:
         return comm
     from mpi4py import MPI
@@ -56,12 +63,12 @@ def _comm(comm):
     return MPI.COMM_WORLD
 
 
-def rank(comm=None) -> int:
+def rank(comm: Optional[MPI.Comm] = None) -> int:
     """This process's rank in ``comm`` (default: the world)."""
     return _comm(comm).Get_rank()
 
 
-def size(comm=None) -> int:
+def size(comm: Optional[MPI.Comm] = None) -> int:
     """The number of ranks in ``comm`` (default: the world)."""
     return _comm(comm).Get_size()
 
@@ -82,17 +89,17 @@ def _node(comm):
         return topo.local_rank, topo.local_size
 
 
-def local_rank(comm=None) -> int:
+def local_rank(comm: Optional[MPI.Comm] = None) -> int:
     """This rank's index on its node (e.g. the GPU to use). Collective on the first call."""
     return _node(comm)[0]
 
 
-def local_size(comm=None) -> int:
+def local_size(comm: Optional[MPI.Comm] = None) -> int:
     """The number of ranks on this rank's node. Collective on the first call."""
     return _node(comm)[1]
 
 
-def barrier(comm=None) -> None:
+def barrier(comm: Optional[MPI.Comm] = None) -> None:
     """Wait until every rank of ``comm`` has called it."""
     _comm(comm).Barrier()
 
@@ -178,7 +185,7 @@ def _agreed_reduction(what: str, tensor, op: str, comm) -> None:
     _negotiate(comm, what, error, _tensor_meta(tensor, ("op", op)))
 
 
-def allreduce(tensor: torch.Tensor, op: str = "mean", comm=None) -> torch.Tensor:
+def allreduce(tensor: torch.Tensor, op: ReduceOp = "mean", comm: Optional[MPI.Comm] = None) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced over all ranks by ``op`` (mean, sum, min, max),
     on ``tensor``'s device and dtype. Collective; the ranks' shapes and dtypes must match."""
     comm = _comm(comm)
@@ -186,7 +193,7 @@ def allreduce(tensor: torch.Tensor, op: str = "mean", comm=None) -> torch.Tensor
     return _reduced(tensor, op, comm).to(tensor.device, tensor.dtype)
 
 
-def allreduce_(tensor: torch.Tensor, op: str = "mean", comm=None) -> torch.Tensor:
+def allreduce_(tensor: torch.Tensor, op: ReduceOp = "mean", comm: Optional[MPI.Comm] = None) -> torch.Tensor:
     """:func:`allreduce` in place: ``tensor`` is overwritten and returned."""
     comm = _comm(comm)
     _agreed_reduction("allreduce_", tensor, op, comm)
@@ -195,7 +202,7 @@ def allreduce_(tensor: torch.Tensor, op: str = "mean", comm=None) -> torch.Tenso
     return tensor
 
 
-def allgather(tensor: torch.Tensor, comm=None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, comm: Optional[MPI.Comm] = None) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along dim 0, in rank order, on ``tensor``'s device.
 
     The first dimension may differ by rank; the others and the dtype must
@@ -215,14 +222,15 @@ def allgather(tensor: torch.Tensor, comm=None) -> torch.Tensor:
     return out.to(tensor.device)
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int = 0, comm=None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int = 0, comm: Optional[MPI.Comm] = None) -> torch.Tensor:
     """A new tensor holding ``root_rank``'s ``tensor``, on this rank's device. Every rank
     passes a tensor of the same shape and dtype (its values are ignored off the root)."""
     return broadcast_(tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor,
                       root_rank, comm, _what="broadcast")
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int = 0, comm=None, *, _what: str = "broadcast_") -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int = 0, comm: Optional[MPI.Comm] = None, *,
+               _what: str = "broadcast_") -> torch.Tensor:
     """:func:`broadcast` in place: ``tensor`` is overwritten with the root's and returned."""
     from .replicas import broadcast_tensor_
 
@@ -236,12 +244,12 @@ def broadcast_(tensor: torch.Tensor, root_rank: int = 0, comm=None, *, _what: st
 
 
 # --- Python objects ----------------------------------------------------------------------
-def allgather_object(obj: Any, comm=None) -> List[Any]:
+def allgather_object(obj: Any, comm: Optional[MPI.Comm] = None) -> List[Any]:
     """Every rank's ``obj`` (picklable), as a list in rank order. Collective."""
     return _comm(comm).allgather(obj)
 
 
-def allreduce_object(obj: Any, op: str = "mean", comm=None) -> Any:
+def allreduce_object(obj: Any, op: ReduceOp = "mean", comm: Optional[MPI.Comm] = None) -> Any:
     """Every rank's ``obj`` reduced by ``op``: ``"sum"`` and ``"mean"`` add them with ``+``
     (numbers, numpy arrays, tensors), ``"min"`` / ``"max"`` compare them. Collective."""
     comm = _comm(comm)
@@ -258,7 +266,7 @@ def allreduce_object(obj: Any, op: str = "mean", comm=None) -> Any:
                                f"{type(obj).__name__} values by {op!r}: {exc}") from None
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, comm=None) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, comm: Optional[MPI.Comm] = None) -> Any:
     """``root_rank``'s ``obj`` (picklable) on every rank. Collective."""
     comm = _comm(comm)
     _, error = attempt(_check_root, root_rank, comm)

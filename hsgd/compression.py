@@ -25,9 +25,12 @@ Example::
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
+
+if TYPE_CHECKING:  # importing mpi4py.MPI initializes MPI: not at import time
+    from mpi4py import MPI
 
 from ._core.checks import check_choice
 from ._core.traffic import allreduce_bytes
@@ -35,6 +38,8 @@ from ._core.traffic import allreduce_bytes
 __all__ = ["COMPRESSIONS", "HalfCodec", "make_codec"]
 
 COMPRESSIONS = ("none", "fp16", "bf16")
+#: The compressions, as a type: what ``compression`` takes (``None`` is ``"none"``).
+Compression = Literal["none", "fp16", "bf16"]
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -56,7 +61,7 @@ class HalfCodec:
 
         self.name, self.dtype = name, _DTYPES[name]
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()  # bytes per value on the wire
-        self._op = MPI.Op.Create(_adder(self.dtype), commute=True)
+        self._op: Optional[MPI.Op] = MPI.Op.Create(_adder(self.dtype), commute=True)
         self._wire: Optional[torch.Tensor] = None
 
     def allreduce_(self, comm, tensor: torch.Tensor) -> int:

@@ -39,7 +39,7 @@ import collections
 import functools
 import logging
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, List, Literal, Optional
 
 import torch
 
@@ -49,11 +49,16 @@ from ._transport.sums import start_sum, sum_
 from .compression import make_codec
 from .errors import InputValueError
 
+if TYPE_CHECKING:  # importing mpi4py.MPI initializes MPI: not at import time
+    from mpi4py import MPI
+
 __all__ = ["LeaderAllreduce", "ShardedAllreduce", "Pending", "make_inter_node", "STRATEGIES", "CHUNK_BYTES"]
 
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("leader", "sharded")
+#: The inter-node strategies, as a type: what ``inter_node`` takes.
+InterNode = Literal["leader", "sharded"]
 CHUNK_BYTES = 4 << 20  # the largest single inter-node allreduce
 
 
@@ -67,7 +72,9 @@ class Pending:
 
     def __init__(self, chunks, sent: int):
         self._chunks, self.sent = collections.deque(chunks), sent
-        self._request, self._finish, self._then = None, None, []
+        self._request: Optional[MPI.Request] = None
+        self._finish: Optional[Callable[[], None]] = None
+        self._then: List[Callable[[], None]] = []
         self.done = False
         self._next()
 
@@ -86,7 +93,7 @@ class Pending:
             self._finish()
         self._next()
 
-    def then(self, fn) -> None:
+    def then(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once the sums are done (at once if they are)."""
         if self.done:
             fn()
@@ -94,12 +101,13 @@ class Pending:
             self._then.append(fn)
 
     def test(self) -> bool:
-        while not self.done and self._request.Test():
+        while not self.done and self._request is not None and self._request.Test():  # set until done
             self._finished()
         return self.done
 
     def wait(self) -> None:
         while not self.done:
+            assert self._request is not None  # set until done
             self._request.Wait()
             self._finished()
 
@@ -112,10 +120,15 @@ class _Strategy:
     """Sums over ``self.comm`` in place, exactly or through a 16-bit codec."""
 
     name = ""
-    comm = None
+    comm: Optional[MPI.Comm] = None  # None on a rank that takes no part (not a leader)
 
     def __init__(self, compression: Optional[str]):
         self.codec = make_codec(compression)
+
+    def _comm(self) -> MPI.Comm:
+        """``comm``, on a rank that takes part in the sums (every caller is one)."""
+        assert self.comm is not None, f"{type(self).__name__}: this rank takes no part in the sums"
+        return self.comm
 
     @property
     def compression(self) -> str:
@@ -130,7 +143,7 @@ class _Strategy:
     def _sent(self, part: torch.Tensor) -> int:
         """The bytes this rank sends to sum ``part`` (16-bit values through a codec)."""
         itemsize = part.element_size() if self.codec is None else self.codec.itemsize
-        return allreduce_bytes(part.numel() * itemsize, self.comm.Get_size())
+        return allreduce_bytes(part.numel() * itemsize, self._comm().Get_size())
 
     def _allreduce(self, tensor: torch.Tensor) -> int:
         """Sum ``tensor`` over ``comm`` in place, in chunks of at most ``CHUNK_BYTES``; returns
@@ -138,9 +151,9 @@ class _Strategy:
         sent = 0
         for part in self._chunks(tensor):
             if self.codec is not None:
-                sent += self.codec.allreduce_(self.comm, part)
+                sent += self.codec.allreduce_(self._comm(), part)
                 continue
-            sum_(self.comm, part.numpy())
+            sum_(self._comm(), part.numpy())
             sent += self._sent(part)
         return sent
 
@@ -152,9 +165,9 @@ class _Strategy:
         parts, steps = self._chunks(tensor), []
         for part in parts:
             if self.codec is not None:
-                steps += self.codec.start_allreduce(self.comm, part)
+                steps += self.codec.start_allreduce(self._comm(), part)
             else:
-                steps += [functools.partial(_no_finish, step) for step in start_sum(self.comm, part.numpy())]
+                steps += [functools.partial(_no_finish, step) for step in start_sum(self._comm(), part.numpy())]
         return Pending(steps, sum(map(self._sent, parts)))
 
     def close(self) -> None:

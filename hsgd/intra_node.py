@@ -134,7 +134,7 @@ class SharedSlots(Closable):
 
     def _map_slot(self, rank: int) -> List[torch.Tensor]:
         buf, _ = self.win.Shared_query(rank)
-        raw = np.frombuffer(buf, dtype=np.uint8, count=self.layout.nbytes)
+        raw = np.frombuffer(buf, dtype=np.uint8, count=self.layout.nbytes)  # type: ignore[call-overload]  # numpy's stubs take no mpi4py buffer before Python 3.12
         views = []
         for dtype, numel, off in zip(self.layout.dtypes, self.layout.numels,
                                      self.layout.byte_offsets):

@@ -18,13 +18,16 @@ Example::
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from .errors import InputValueError
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["LARS", "lars_local_lr"]
 
@@ -137,7 +140,7 @@ class LARS(Optimizer):
         >>> opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
     """
 
-    def __init__(self, params, lr: Number, momentum: float = 0.9,
+    def __init__(self, params: ParamsT, lr: Number, momentum: float = 0.9,
                  weight_decay: float = 0.0, trust_coefficient: float = 0.001,
                  eps: float = 1e-8, nesterov: bool = False, exclude_1d: bool = True,
                  clip: bool = False) -> None:
@@ -162,8 +165,10 @@ class LARS(Optimizer):
             for key, value in _OPTION_DEFAULTS.items():
                 group.setdefault(key, value)
 
+    # override: torch overloads step() (no closure -> None, a closure -> float); one signature
+    # with both cannot repeat the overloads
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         """Perform one optimization step; ``closure`` re-evaluates the loss."""
         loss = None
         if closure is not None:

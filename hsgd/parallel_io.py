@@ -62,7 +62,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -72,6 +72,15 @@ from ._io.loader_setup import check_settings_agree, loader_block_size, open_chec
 from ._io.plan import EpochPlan, default_block_size, plan_epoch, rank_range, shard_range
 from ._io.prefetch import Prefetcher, iter_windows
 from .errors import InputValueError
+
+if TYPE_CHECKING:  # importing mpi4py.MPI initializes MPI: not at import time
+    import os
+
+    import torch
+    from mpi4py import MPI
+
+    from ._io.h5source import H5Source
+    from .topology import Topology
 
 __all__ = ["ContiguousH5Loader", "EpochPlan", "plan_epoch", "shard_range",
            "default_block_size", "loader_block_size"]
@@ -120,12 +129,12 @@ class ContiguousH5Loader:
             ``False`` reads everything through h5py.
     """
 
-    def __init__(self, path, x_key: str = "x", y_key: str = "y", *, batch_size: int,
-                 comm=None, topology=None, shuffle: bool = True, seed: int = 0,
-                 block_size: Optional[int] = None, window_blocks: Optional[int] = None,
-                 drop_last: bool = True, pad: bool = True, prefetch: int = 2,
-                 return_indices: bool = False, check_labels: bool = True,
-                 direct_reads: bool = True):
+    def __init__(self, path: Union[str, os.PathLike[str]], x_key: str = "x", y_key: str = "y", *,
+                 batch_size: int, comm: Optional[MPI.Comm] = None, topology: Optional[Topology] = None,
+                 shuffle: bool = True, seed: int = 0, block_size: Optional[int] = None,
+                 window_blocks: Optional[int] = None, drop_last: bool = True, pad: bool = True,
+                 prefetch: int = 2, return_indices: bool = False, check_labels: bool = True,
+                 direct_reads: bool = True) -> None:
         self.comm = _resolve_comm(comm, topology)
         self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
         self.path, self.x_key, self.y_key = path, x_key, y_key
@@ -135,9 +144,14 @@ class ContiguousH5Loader:
         self.direct_reads = direct_reads
         # a bad file or argument: raised on every rank by agree, after this rank closed its file
         opened, error = attempt(open_checked, self, block_size, window_blocks)
-        self._source, self.block_size, self.window_blocks = opened or (None, None, None)
+        self._source: Optional[H5Source] = None
+        self.block_size: int
+        self.window_blocks: int
+        if opened is not None:  # else agree() raises: the object is never used
+            self._source, self.block_size, self.window_blocks = opened
         try:
             agree(self.comm, error)
+            assert self._source is not None  # opened, since no rank had an error
             self.num_samples = len(self._source.y)  # the data set's, not this rank's share
             self.sample_shape = self._source.sample_shape
             self.label_shape = self._source.label_shape
@@ -148,12 +162,15 @@ class ContiguousH5Loader:
         except Exception:
             self._close_source()
             raise
-        self._epoch, self._position, self._active, self._shares = 0, 0, None, None
+        self._epoch, self._position = 0, 0
+        self._active: Optional[Prefetcher] = None
+        self._shares: Optional[List[int]] = None
         logger.debug("rank %d: %s samples of %s, block %d, %d batches per epoch",
                      self.rank, self.num_samples, path, self.block_size, len(self))
 
     @property
     def epoch(self) -> int:
+        """The epoch that the next iteration reads (0-based; :meth:`set_epoch` sets it)."""
         return self._epoch
 
     @property
@@ -161,7 +178,7 @@ class ContiguousH5Loader:
         """Batches of the current epoch already handed out."""
         return self._position
 
-    def _settings(self) -> dict:
+    def _settings(self) -> Dict[str, Any]:
         return {"num_samples": self.num_samples, "world_size": self.world_size,
                 "batch_size": self.batch_size, "block_size": self.block_size,
                 "seed": self.seed, "shuffle": bool(self.shuffle),
@@ -229,12 +246,12 @@ class ContiguousH5Loader:
             self._stop_active()
             self._epoch, self._position = int(epoch), int(position)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> Dict[str, Any]:
         """Epoch, batches handed out, batch shares, and the settings that fix the order."""
         return {"epoch": self._epoch, "position": self._position, "shares": self.shares,
                 **self._settings()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue where ``state`` left off: the remaining batches of its epoch, in order."""
         differ = [f"{key}={state.get(key)!r} (this loader: {value!r})"
                   for key, value in self._settings().items()
@@ -247,7 +264,7 @@ class ContiguousH5Loader:
         self.set_shares(state.get("shares"))
         self.set_epoch(state["epoch"], state["position"])
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, ...]]:
         if self._source is None:
             raise RuntimeError("this ContiguousH5Loader is closed")
         self._stop_active()
@@ -284,7 +301,7 @@ class ContiguousH5Loader:
     def __enter__(self) -> ContiguousH5Loader:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -28,12 +28,18 @@ from .errors import InputTypeError, InputValueError
 __all__ = ["check_same_model", "broadcast_parameters", "average_buffers", "averaged_state_dict",
            "broadcast_optimizer_state", "broadcast_tensor_"]
 
+if TYPE_CHECKING:  # importing mpi4py.MPI initializes MPI: not at import time
+    from mpi4py import MPI
+
 Signature = List[Tuple[str, Tuple[int, ...], str, bool]]
+#: What :func:`broadcast_parameters` takes: a module, a state dict, or ``(name, tensor)`` pairs.
+NamedTensors = Union[torch.nn.Module, Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]]
 
 
-def _named_tensors(params) -> List[Tuple[str, torch.Tensor]]:
+def _named_tensors(params: NamedTensors) -> List[Tuple[str, torch.Tensor]]:
     """``(name, tensor)`` pairs of a module (parameters and buffers), a state dict or an
     iterable of pairs (``model.named_parameters()``)."""
+    items: Iterable[Tuple[Any, Any]]
     if isinstance(params, torch.nn.Module):
         items = params.state_dict(keep_vars=True).items()
     elif isinstance(params, Mapping):
@@ -92,7 +98,7 @@ def _first_difference(mine: Signature, ref: Signature, rank: int) -> Optional[st
     return None
 
 
-def check_same_model(module, comm=None) -> None:
+def check_same_model(module: NamedTensors, comm: Optional[MPI.Comm] = None) -> None:
     """Raise ``ValueError`` on every rank unless all ranks hold the same model.
 
     Collective. Compares every parameter and buffer (name, shape, dtype, and
@@ -129,7 +135,8 @@ def broadcast_tensor_(tensor: torch.Tensor, comm, root: int = 0) -> None:
         tensor.detach().copy_(host)
 
 
-def broadcast_parameters(params, comm=None, root: int = 0, *, root_rank: Optional[int] = None) -> None:
+def broadcast_parameters(params: NamedTensors, comm: Optional[MPI.Comm] = None, root: int = 0, *,
+                         root_rank: Optional[int] = None) -> None:
     """Copy tensors from ``root`` (``root_rank``: the same, Horovod's name), in place. Collective.
 
     ``params``: a module (every parameter and buffer), a state dict
@@ -154,7 +161,7 @@ def _checked_root(root, root_rank, comm) -> int:
     return root
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm=None, root: int = 0, *,
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm: Optional[MPI.Comm] = None, root: int = 0, *,
                               root_rank: Optional[int] = None) -> None:
     """Make ``optimizer``'s state and hyperparameters equal to ``root``'s. Collective.
 
@@ -188,7 +195,7 @@ def _to_cpu(obj):
     return obj
 
 
-def average_buffers(module: torch.nn.Module, comm=None) -> None:
+def average_buffers(module: torch.nn.Module, comm: Optional[MPI.Comm] = None) -> None:
     """Average floating-point buffers (e.g. BatchNorm running statistics) over ranks.
 
     Gradient averaging keeps parameters identical but not buffers, which each
@@ -209,7 +216,7 @@ def average_buffers(module: torch.nn.Module, comm=None) -> None:
             buf.copy_(host.div_(comm.Get_size()))
 
 
-def averaged_state_dict(module: torch.nn.Module, comm=None) -> dict:
+def averaged_state_dict(module: torch.nn.Module, comm: Optional[MPI.Comm] = None) -> Dict[str, Any]:
     """``module.state_dict()`` with floating-point entries averaged over ranks, on the CPU.
 
     The module itself is not changed. Synchronous replicas are identical, so

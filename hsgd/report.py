@@ -128,9 +128,10 @@ def _comm_share(time) -> Optional[float]:
     if not isinstance(time, dict):
         return None
     parts = {key: as_number(time.get(key, 0.0)) for key in _COMM + _WORK}
-    if None in parts.values() or sum(parts.values()) <= 0:
+    known = {key: value for key, value in parts.items() if value is not None}
+    if len(known) < len(parts) or sum(known.values()) <= 0:
         return None
-    return 100.0 * sum(parts[key] for key in _COMM) / sum(parts.values())
+    return 100.0 * sum(known[key] for key in _COMM) / sum(known.values())
 
 
 def _fmt(value, spec: str, scale: float = 1.0) -> str:
@@ -185,9 +186,12 @@ def plot_run(run: Run, out_dir=None) -> list:
     run lacks is skipped with a log message. Draws on matplotlib's Agg canvas
     directly: no display needed, pyplot's global state left alone.
     """
-    if out_dir is None and run.run_dir is None:
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+    elif run.run_dir is not None:
+        out_dir = Path(run.run_dir) / "plots"
+    else:
         raise InputValueError("plot_run: pass out_dir, this Run has no run_dir")
-    out_dir = Path(out_dir) if out_dir is not None else Path(run.run_dir) / "plots"
     written = []
     for name, draw in (("loss.png", draw_loss), ("accuracy.png", draw_accuracy),
                        ("time_breakdown.png", draw_time)):

@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import operator
 import warnings
-from typing import Sequence
+from typing import List, Sequence, Union
 
+from torch import Tensor
+from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from .errors import InputValueError
@@ -80,18 +82,20 @@ class _WarmupLR(LRScheduler):
     warmup_steps: int
     warmup_start_factor: float
 
-    def get_lr(self):
+    def get_lr(self) -> List[Union[float, Tensor]]:
+        """The learning rate of each parameter group at step ``last_epoch`` (a closed form of the
+        step: warm-up, then the schedule's decay of the group's initial rate)."""
         # A closed form of last_epoch: step(epoch) and SequentialLR land on the
         # right rate; rates set by other schedulers (ChainedScheduler) are overwritten.
         return [self._lr_at(base_lr, self.last_epoch) for base_lr in self.base_lrs]
 
-    def _lr_at(self, base_lr, t: int):
+    def _lr_at(self, base_lr: Union[float, Tensor], t: int) -> Union[float, Tensor]:
         if t < self.warmup_steps:
             f0 = self.warmup_start_factor
             return base_lr * (f0 + (1.0 - f0) * t / self.warmup_steps)
         return self._decayed(base_lr, t)
 
-    def _decayed(self, base_lr, t: int):
+    def _decayed(self, base_lr: Union[float, Tensor], t: int) -> Union[float, Tensor]:
         raise NotImplementedError
 
 
@@ -119,7 +123,7 @@ class WarmupPolyLR(_WarmupLR):
         last_epoch: as in torch; -1 starts a new schedule.
     """
 
-    def __init__(self, optimizer, total_steps: int, warmup_steps: int = 0,
+    def __init__(self, optimizer: Optimizer, total_steps: int, warmup_steps: int = 0,
                  power: float = 2.0, end_lr: float = 0.0,
                  warmup_start_factor: float = 0.0, last_epoch: int = -1) -> None:
         self.total_steps = _as_int("total_steps", total_steps, 1)
@@ -138,7 +142,7 @@ class WarmupPolyLR(_WarmupLR):
             warnings.warn(f"end_lr={end_lr} exceeds a group's lr {self.base_lrs}: "
                           "the 'decay' will raise that group's rate", stacklevel=2)
 
-    def _decayed(self, base_lr, t: int):
+    def _decayed(self, base_lr: Union[float, Tensor], t: int) -> Union[float, Tensor]:
         remaining = max(0.0, 1.0 - (t - self.warmup_steps) / (self.total_steps - self.warmup_steps))
         return self.end_lr + (base_lr - self.end_lr) * remaining ** self.power
 
@@ -163,7 +167,7 @@ class WarmupMultiStepLR(_WarmupLR):
         last_epoch: as in torch; -1 starts a new schedule.
     """
 
-    def __init__(self, optimizer, milestones: Sequence[int], gamma: float = 0.1,
+    def __init__(self, optimizer: Optimizer, milestones: Sequence[int], gamma: float = 0.1,
                  warmup_steps: int = 0, warmup_start_factor: float = 0.0,
                  last_epoch: int = -1) -> None:
         self.warmup_steps = _as_int("warmup_steps", warmup_steps, 0)
@@ -185,7 +189,7 @@ class WarmupMultiStepLR(_WarmupLR):
         self.warmup_start_factor = _check_start_factor(warmup_start_factor)
         super().__init__(optimizer, last_epoch)
 
-    def _decayed(self, base_lr, t: int):
+    def _decayed(self, base_lr: Union[float, Tensor], t: int) -> Union[float, Tensor]:
         passed = sum(1 for m in self.milestones if m <= t)
         return base_lr * self.gamma ** passed
 

@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Union, cast
 
 from mpi4py import MPI
 
@@ -35,7 +35,7 @@ __all__ = ["Topology", "ENV_RANKS_PER_NODE", "parse_ranks_per_node"]
 ENV_RANKS_PER_NODE = "HSGD_RANKS_PER_NODE"
 
 
-def parse_ranks_per_node(value, source: str) -> Optional[int]:
+def parse_ranks_per_node(value: object, source: str) -> Optional[int]:
     """Validate a ranks-per-node setting; ``None`` or ``""`` means unset."""
     if value is None or (isinstance(value, str) and value.strip() == ""):
         return None
@@ -79,8 +79,9 @@ class Topology(Closable):
     the communicators, or use it as a context manager.
     """
 
-    def __init__(self, comm, node_comm, leader_comm, node_index: int,
-                 node_sizes: Tuple[int, ...], ranks_per_node: Optional[int], node_ranks: Tuple[int, ...]):
+    def __init__(self, comm: MPI.Intracomm, node_comm: MPI.Intracomm, leader_comm: Optional[MPI.Intracomm],
+                 node_index: int, node_sizes: Sequence[int], ranks_per_node: Optional[int],
+                 node_ranks: Sequence[int]) -> None:
         self.comm = comm
         self.node_comm = node_comm
         self.node_ranks = tuple(node_ranks)
@@ -96,10 +97,12 @@ class Topology(Closable):
 
     @property
     def num_nodes(self) -> int:
+        """How many (virtual) nodes there are."""
         return len(self.node_sizes)
 
     @property
     def is_leader(self) -> bool:
+        """Whether this rank leads its node (``local_rank == 0``): it is in ``leader_comm``."""
         return self.local_rank == 0
 
     @property
@@ -108,7 +111,7 @@ class Topology(Closable):
         return len(set(self.node_sizes)) == 1
 
     @classmethod
-    def from_comm(cls, comm=None, ranks_per_node=None) -> Topology:
+    def from_comm(cls, comm: Optional[MPI.Intracomm] = None, ranks_per_node: Union[int, str, None] = None) -> Topology:
         """Build the two-level layout of ``comm`` (default ``MPI.COMM_WORLD``).
 
         Collective over ``comm``. ``ranks_per_node`` overrides the environment
@@ -132,21 +135,22 @@ class Topology(Closable):
         return cls._build(comm, rpn)
 
     @classmethod
-    def _build(cls, comm, rpn: Optional[int]) -> Topology:
+    def _build(cls, comm: MPI.Intracomm, rpn: Optional[int]) -> Topology:
         rank = comm.Get_rank()
-        physical = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        # cast: mpi4py's stubs type the splits of an Intracomm as Comm; they are Intracomms
+        physical = cast(MPI.Intracomm, comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank))
         try:
             if rpn is None:
                 node_comm = physical.Dup()
             else:
-                node_comm = physical.Split(physical.Get_rank() // rpn, rank)
+                node_comm = cast(MPI.Intracomm, physical.Split(physical.Get_rank() // rpn, rank))
         finally:
             physical.Free()
         is_leader = node_comm.Get_rank() == 0
-        leader_comm = comm.Split(0 if is_leader else MPI.UNDEFINED, rank)
-        if leader_comm == MPI.COMM_NULL:
-            leader_comm = None
+        split = comm.Split(0 if is_leader else MPI.UNDEFINED, rank)
+        leader_comm = None if split == MPI.COMM_NULL else cast(MPI.Intracomm, split)
         if is_leader:
+            assert leader_comm is not None  # a leader is in the split
             node_index = leader_comm.Get_rank()
             node_sizes = leader_comm.allgather(node_comm.Get_size())
         else:

@@ -9,7 +9,7 @@ the library (``HierarchicalSGD``, the loader, the data tools, the trainer).
 from __future__ import annotations
 
 import numbers
-from typing import Iterable
+from typing import Iterable, cast
 
 from ..errors import InputValueError
 
@@ -20,7 +20,7 @@ def check_int(name: str, value, minimum: int = 1) -> int:
     """``value`` if it is an integer (Python or numpy, not a bool) >= ``minimum``; else raise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise InputValueError(f"Invalid {name}: {value!r}; use an integer >= {minimum}")
-    return value
+    return cast(int, value)  # a numpy integer passes unchanged, and behaves as an int
 
 
 def check_choice(name: str, value, choices: Iterable[str]) -> str:

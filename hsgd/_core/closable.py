@@ -8,7 +8,7 @@ before ``_opened``; ``with`` closes on the way out, whatever happened inside.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["Closable"]
 
@@ -29,6 +29,7 @@ class Closable:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` ran (or construction never finished): the object holds nothing."""
         return self._closed
 
     def _check_open(self) -> None:
@@ -45,5 +46,5 @@ class Closable:
     def __enter__(self: _Self) -> _Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()

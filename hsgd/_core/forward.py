@@ -8,12 +8,12 @@ is ``None`` (a part not built) is skipped when written.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 __all__ = ["forwarded"]
 
 
-def _owner(obj, path: str) -> Tuple[Optional[object], str]:
+def _owner(obj: Any, path: str) -> Tuple[Optional[object], str]:
     *parts, name = path.split(".")
     for part in parts:
         obj = getattr(obj, part)
@@ -24,11 +24,12 @@ def _owner(obj, path: str) -> Tuple[Optional[object], str]:
 
 def forwarded(*paths: str, doc: str = "") -> property:
     """A property read from ``self.<paths[0]>`` and written to ``self.<path>`` for every path."""
-    def get(self):
+    # Any: the helper forwards whatever the attribute at the path holds
+    def get(self: Any) -> Any:
         owner, name = _owner(self, paths[0])
         return None if owner is None else getattr(owner, name)
 
-    def set_(self, value) -> None:
+    def set_(self: Any, value: Any) -> None:
         for path in paths:
             owner, name = _owner(self, path)
             if owner is not None:

@@ -115,7 +115,8 @@ class SlotBinding:
         if flags:
             seg, off = places[len(self.params)]
             self.flags = averager.own(seg)[off:off + len(self.params)]
-        self._accumulators, self._hooks = [], []
+        self._accumulators: List[torch.autograd.graph.Node] = []
+        self._hooks: List[torch.utils.hooks.RemovableHandle] = []
         if what == "grad":
             self._hook_accumulators()
         self.gather()
@@ -126,7 +127,10 @@ class SlotBinding:
         with torch.enable_grad():
             for i, (p, zc) in enumerate(zip(self.params, self.zero_copy)):
                 if zc and p.requires_grad:
-                    node = p.expand_as(p).grad_fn.next_functions[0][0]  # as DDP's reducer finds it
+                    grad_fn = p.expand_as(p).grad_fn
+                    assert grad_fn is not None  # p requires grad and grad is enabled
+                    node = grad_fn.next_functions[0][0]  # as DDP's reducer finds it
+                    assert node is not None  # a leaf that requires grad has an AccumulateGrad
                     self._accumulators.append(node)
                     self._hooks.append(node.register_prehook(functools.partial(self._into_slot, i)))
 

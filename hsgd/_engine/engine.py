@@ -24,20 +24,24 @@ depends on what the mode means by "the model", not on the machinery.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from .._core.closable import Closable
 from .._core.traffic import Traffic
 from .binding import SlotBinding
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "PhaseCallback"]
+
+#: ``fn(name, start, end)``: a communication phase's name and its start and end times
+#: (``time.perf_counter()`` seconds).
+PhaseCallback = Callable[[str, float, float], None]
 
 
 class Engine(Closable):
     """The base of the families' engines (see the module doc)."""
 
     binding: SlotBinding
-    on_phase = None
+    on_phase: Optional[PhaseCallback] = None
 
     @property
     def traffic(self) -> Traffic:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import ClassVar, Dict, List, Optional, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -46,24 +46,27 @@ from ..faults import protect
 from ..faults.stall import StallInspector
 from ..replicas import averaged_state_dict, broadcast_optimizer_state, broadcast_parameters, check_same_model
 from ..topology import Topology
+from .binding import SlotBinding
 from .engine import Engine
-from .named import model_of
+from .named import NamedParameterPairs, model_of
 from .optimizer import InnerOptimizer
 from .weights import BatchShares
 
 __all__ = ["SyncMode", "collective"]
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
-def collective(what: str):
+
+def collective(what: str) -> Callable[[_Method], _Method]:
     """Make a mode's method that waits for the other ranks a wait of its stall inspector (named
     ``what`` in reports), as ``step()`` is. Re-entrant: an override that calls ``super()``
     counts once."""
-    def wrap(method):
+    def wrap(method: _Method) -> _Method:
         @functools.wraps(method)
-        def watched(self, *args, **kwargs):
+        def watched(self: SyncMode, *args: Any, **kwargs: Any) -> Any:
             with self.stall.waiting(self.num_steps, what):
                 return method(self, *args, **kwargs)
-        return watched
+        return watched  # type: ignore[return-value]  # functools.wraps keeps the signature
     return wrap
 
 
@@ -139,9 +142,11 @@ class SyncMode(InnerOptimizer, Closable):
     # GradScaler.step() then always calls step(), with grad_scale and found_inf set on us
     _step_supports_amp_scaling: ClassVar[bool] = True
 
-    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, broadcast=True,
-                 settings: Dict[str, object], stall_timeout=None, stall_abort=None, stall_abort_after=None,
-                 stall: Optional[StallInspector] = None):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
+                 named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
+                 broadcast: bool = True, settings: Dict[str, object], stall_timeout: Optional[float] = None,
+                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
+                 stall: Optional[StallInspector] = None) -> None:
         self._init_optimizer_hooks()
         self._own_topology = topology is None
         self.topology = Topology.from_comm() if topology is None else topology
@@ -163,7 +168,7 @@ class SyncMode(InnerOptimizer, Closable):
             raise
         self._opened()
 
-    def _check(self, **settings) -> None:
+    def _check(self, *args: Any, **settings: Any) -> None:
         """Raise an :class:`~hsgd.errors.InputError` for a bad setting of this mode."""
 
     def _make_engine(self, params: List[torch.nn.Parameter]) -> Engine:
@@ -173,10 +178,12 @@ class SyncMode(InnerOptimizer, Closable):
     def _step(self) -> None:
         raise NotImplementedError
 
-    def _setup(self, optimizer, model, broadcast, settings) -> None:
+    def _setup(self, optimizer: torch.optim.Optimizer,
+               given: Tuple[Optional[torch.nn.Module], Optional[NamedParameterPairs]],
+               broadcast: bool, settings: Dict[str, object]) -> None:
         comm = self.topology.comm
         protect(comm)  # from here on: abort, not hang; no files left
-        model = model_of(optimizer, *model, comm)  # (model, named_parameters): a module
+        model = model_of(optimizer, *given, comm)  # (model, named_parameters): a module
 
         def check():
             _check_common(optimizer, model)
@@ -197,7 +204,7 @@ class SyncMode(InnerOptimizer, Closable):
         self.engine = self._make_engine(params)
 
     @property
-    def _binding(self):
+    def _binding(self) -> SlotBinding:
         return self.engine.binding
 
     @collective("broadcast_state()")
@@ -217,7 +224,7 @@ class SyncMode(InnerOptimizer, Closable):
 
     # --- the model the trainer evaluates and saves -------------------------------------------
     @collective("shared_state_dict()")
-    def shared_state_dict(self) -> dict:
+    def shared_state_dict(self) -> Dict[str, Any]:
         """The model worth evaluating and saving, on the CPU, the same on every rank. Collective.
 
         The ranks' average (:func:`~hsgd.replicas.averaged_state_dict`): the
@@ -225,12 +232,12 @@ class SyncMode(InnerOptimizer, Closable):
         """
         return averaged_state_dict(self.model, self.topology.comm)
 
-    def _trained_names(self):
+    def _trained_names(self) -> List[str]:
         """Names of the trainable parameters, in the order of ``model.parameters()`` (the bound ones)."""
         return [name for name, p in self.model.named_parameters() if p.requires_grad]
 
     @collective("load_shared_state_dict()")
-    def load_shared_state_dict(self, state_dict: dict) -> None:
+    def load_shared_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """After the model was loaded from a checkpoint, set any state the mode keeps besides
         the replicas from ``state_dict`` (what :meth:`shared_state_dict` returned). Collective."""
 
@@ -266,7 +273,9 @@ class SyncMode(InnerOptimizer, Closable):
         return 1.0 if scale is None else 1.0 / float(scale)
 
     # --- the step ----------------------------------------------------------------------------
-    def step(self, closure=None):
+    # override: torch overloads step() (no closure -> None, a closure -> float); one signature
+    # with both cannot repeat the overloads
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         """Run ``closure`` (if any), then the mode's synchronized step. Collective."""
         self._check_open()
         loss = None
@@ -302,16 +311,19 @@ class SyncMode(InnerOptimizer, Closable):
             self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad``: reset the gradients (to ``None`` by default)."""
         self._check_open()
         self.optimizer.zero_grad(set_to_none)
 
     # --- capabilities, declared rather than probed -------------------------------------------
-    def no_sync(self):
+    def no_sync(self) -> ContextManager[None]:
         """A block in which backward does not average. Only ``HierarchicalSGD(overlap=True)``
         averages in backward; elsewhere this is a null context."""
         return contextlib.nullcontext()
 
     def synchronize(self) -> None:
+        """Average the gradients before :meth:`step` (``HierarchicalSGD``, Horovod's protocol).
+        Modes that average inside ``step()`` have none: raises ``RuntimeError``."""
         raise RuntimeError(f"{type(self).__name__} has no synchronize(): it averages "
                            f"{'gradients' if self.engine.binding.what == 'grad' else 'parameters'} "
                            "inside step()")

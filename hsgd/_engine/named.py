@@ -18,11 +18,16 @@ import torch
 from .._core.agree import check_all
 from ..errors import InputTypeError, InputValueError
 
-__all__ = ["NamedParameters", "model_of"]
+__all__ = ["NamedParameters", "NamedParameterPairs", "model_of"]
+
+#: What a mode's ``named_parameters`` takes: ``model.named_parameters()`` or the like.
+NamedParameterPairs = Iterable[Tuple[str, torch.Tensor]]
 
 
 class NamedParameters(torch.nn.Module):
     """A module whose parameters are the given ``(name, parameter)`` pairs, and no buffers."""
+
+    _pairs: List[Tuple[str, torch.nn.Parameter]]
 
     def __init__(self, pairs: List[Tuple[str, torch.nn.Parameter]]):
         super().__init__()

@@ -10,7 +10,8 @@ which carries the step count as ``"hsgd_steps"``.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
+from typing import Any, Dict, List
 
 import torch
 
@@ -36,38 +37,47 @@ class InnerOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()  # step() runs the step pre- and post-hooks
 
+    # torch declares these three as plain attributes; here they are read-only views of the
+    # inner optimizer's own objects, which is what the override error flags.
     @property
-    def param_groups(self):
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
         """The inner optimizer's list itself: an LR set through either is seen by both."""
         return self.optimizer.param_groups
 
     @property
-    def state(self):
+    def state(self) -> defaultdict[torch.Tensor, Any]:  # type: ignore[override]
+        """The inner optimizer's per-parameter state (the same dict, not a copy)."""
         return self.optimizer.state
 
     @property
-    def defaults(self):
+    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's default hyperparameters (the same dict, not a copy)."""
         return self.optimizer.defaults
 
-    def add_param_group(self, param_group: dict) -> None:
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Not supported: raises :class:`~hsgd.errors.InputValueError` (the parameters are
+        bound at construction; add the group to the inner optimizer before wrapping it)."""
         raise InputValueError(f"{type(self).__name__} binds its parameters at construction; add the "
                               "group to the inner optimizer before wrapping it")
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> Dict[str, Any]:
         """The inner optimizer's state dict, plus ``"hsgd_steps"`` (the step count).
         Runs the state-dict hooks registered on this optimizer."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         state = self.optimizer.state_dict()
         state["hsgd_steps"] = self.num_steps
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, state)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state)
             state = state if result is None else result
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` into the inner optimizer and restore the
+        step count (``"hsgd_steps"``, 0 if absent). Runs the load-state-dict hooks registered
+        on this optimizer."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
         state_dict = dict(state_dict)
         self.num_steps = int(state_dict.pop("hsgd_steps", 0))

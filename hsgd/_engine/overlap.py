@@ -73,7 +73,7 @@ import collections
 import functools
 import threading
 import time
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Deque, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -82,17 +82,21 @@ from mpi4py import MPI
 from .._core.waits import Backoff
 from .buckets import FIRST_BUCKET_MB, Bucket, plan_buckets
 
+if TYPE_CHECKING:
+    from ..inter_node import Pending
+
 __all__ = ["Bucket", "plan_buckets", "BackwardOverlap", "FIRST_BUCKET_MB"]
 
 POLL_S = 0.001         # how often the poller enters MPI while an inter-node allreduce is under way
 _WRITTEN, _REDUCED, _CROSSED = range(3)
+_Span = Tuple[int, int, int]  # a bucket's (segment, lo, hi)
 
 
 class _Stage(NamedTuple):
     waits_for: Optional[Tuple[int, object]]  # (flag, local ranks) every one of which must show this round
-    run: Optional[object]                    # fn(span), or None: nothing to do on this rank
+    run: Optional[Callable[[_Span], object]]  # fn(span), or None: nothing to do on this rank
     posts: Optional[int]                     # the flag this rank sets after running (or completing)
-    start: Optional[object] = None           # fn(span) -> a Pending: work that goes on in the background
+    start: Optional[Callable[[_Span], Pending]] = None  # fn(span) -> a Pending: work that goes on in the background
 
 
 class _Pipeline:
@@ -106,10 +110,10 @@ class _Pipeline:
         self.stages = self._stages(averager, topo, scale)
         n = len(self.buckets)
         nbytes = slots.local_size * 3 * n * 8 if self.me == 0 else 0
-        self.win = MPI.Win.Allocate_shared(nbytes, 8, comm=slots.comm)
+        self.win: Optional[MPI.Win] = MPI.Win.Allocate_shared(nbytes, 8, comm=slots.comm)
         try:
             buf, _ = self.win.Shared_query(0)
-            self.board = np.frombuffer(buf, dtype=np.int64, count=slots.local_size * 3 * n)
+            self.board = np.frombuffer(buf, dtype=np.int64, count=slots.local_size * 3 * n)  # type: ignore[call-overload]  # numpy's stubs take no mpi4py buffer before Python 3.12
             self.board = self.board.reshape(slots.local_size, 3, n)
             self.win.Lock_all(MPI.MODE_NOCHECK)
             if self.me == 0:
@@ -126,7 +130,7 @@ class _Pipeline:
     def _reset(self) -> None:
         self._next = [0] * len(self.stages)    # per stage: the next bucket to finish
         self._issued = [0] * len(self.stages)  # per background stage: the next bucket to start
-        self._inflight = [collections.deque() for _ in self.stages]  # their Pendings, oldest first
+        self._inflight: List[Deque[Pending]] = [collections.deque() for _ in self.stages]  # oldest first
 
     @property
     def busy(self) -> bool:
@@ -164,6 +168,7 @@ class _Pipeline:
     def _memory_barrier(self) -> None:
         """``Win.Sync`` of both windows: the slots' and the board's stores and loads stay ordered."""
         self.averager.slots.sync()
+        assert self.win is not None, "the pipeline is closed"
         self.win.Sync()
 
     def post(self, flag: int, bucket: int) -> None:

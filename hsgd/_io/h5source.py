@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import h5py
 import numpy as np
@@ -108,8 +108,10 @@ class _RowReader:
         else:
             self._pread(start, stop, out)
 
-    def _pread(self, start, stop, out) -> None:
-        view = memoryview(out).cast("B")
+    def _pread(self, start: int, stop: int, out: np.ndarray) -> None:
+        assert self.extents is not None  # read() comes here only with extents
+        # numpy's stubs give ndarray the buffer protocol only from Python 3.12 (__buffer__)
+        view = memoryview(out).cast("B")  # type: ignore[arg-type]
         done = 0
         for offset, size in self.extents.ranges(start, stop):
             piece, got = view[done:done + size], 0
@@ -161,7 +163,7 @@ class H5Source:
             self._x.advise(int(start), int(stop))
             self._y.advise(int(start), int(stop))
 
-    def empty(self, rows: int):
+    def empty(self, rows: int) -> Tuple[np.ndarray, np.ndarray]:
         """Uninitialized x (native dtype) and int64 y buffers for ``rows`` samples."""
         return (np.empty((rows, *self.sample_shape), dtype=self.x_dtype),
                 np.empty((rows, *self.label_shape), dtype=np.int64))

@@ -37,7 +37,7 @@ import queue
 import sys
 import threading
 import weakref
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -120,7 +120,7 @@ def iter_windows(source: H5Source, plan, start_batch: int = 0, with_indices: boo
     pool = _BufferPool(source, largest + batch, keep_buffers)
     first, skip = plan.locate(start_batch)
     empty_idx = np.empty(0, dtype=np.int64)
-    carry = (*source.empty(0), empty_idx)
+    carry: Tuple[np.ndarray, np.ndarray, np.ndarray] = (*source.empty(0), empty_idx)
     scratch = [None, None]
     for window in range(first, plan.num_windows):
         if window + 1 < plan.num_windows:  # the kernel fetches it while we work on this one
@@ -221,7 +221,7 @@ class Prefetcher:
         self._windows: Optional[Iterator] = windows if prefetch == 0 else None
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
-        self._thread = None
+        self._thread: Optional[threading.Thread] = None
         if prefetch > 0:
             self._thread = threading.Thread(target=_produce, name="hsgd-prefetch",
                                             args=(windows, self._queue, self._stop),
@@ -253,6 +253,7 @@ class Prefetcher:
             raise RuntimeError("this batch iterator was closed; start a new one")
         if self._windows is not None:
             return next(self._windows, _END)
+        assert self._thread is not None  # prefetch > 0: the thread reads the windows
         while True:
             try:
                 item = self._queue.get(timeout=1.0)

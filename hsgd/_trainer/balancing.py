@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -36,7 +36,7 @@ class Balancing(Hook):
                  autocast=contextlib.nullcontext, task: Optional[Task] = None):
         self.cfg, self.loader, self.opt, self.comm = cfg, loader, opt, comm
         self.balancer: Optional[LoadBalancer] = None
-        self._busy = None  # (busy seconds, steps) of the last epoch
+        self._busy: Optional[Tuple[float, int]] = None  # (busy seconds, steps) of the last epoch
         if not (cfg.balance or loader.shares):
             return
         if not opt.balances:  # shares from a balanced run's checkpoint, resumed in another mode

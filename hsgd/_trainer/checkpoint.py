@@ -91,7 +91,9 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _step(path: Path) -> int:
-    return int(_NAME.match(path.name).group(1))
+    match = _NAME.match(path.name)
+    assert match is not None  # _checkpoints() lists matching names only
+    return int(match.group(1))
 
 
 def _checkpoints(directory: Path):
@@ -114,7 +116,7 @@ def newest_loadable(directory) -> Tuple[Optional[Path], Optional[dict], List[str
     directory holds none; an ``InputValueError`` listing them all if none loads."""
     directory = Path(directory)
     found = _checkpoints(directory) if directory.is_dir() else []
-    problems = []
+    problems: List[str] = []
     for path in reversed(found):
         try:
             return path, load_checkpoint(path), problems

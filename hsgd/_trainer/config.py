@@ -14,7 +14,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, get_type_hints
+from typing import List, Optional, Tuple, Union, get_type_hints
 
 from .._core.agree import collective_error
 from ..compression import COMPRESSIONS
@@ -235,13 +235,13 @@ class TrainConfig:
         return [f"--{name.replace('_', '-')}" for name in sorted(others)
                 if getattr(self, name) != defaults[name]]
 
-    def _straggler(self):
+    def _straggler(self) -> Union[None, str, Tuple[int, float]]:
         """``--straggler`` as ``(rank, factor)``, ``None`` if unset, or a problem as a ``str``."""
         if self.straggler is None:
             return None
-        rank, _, factor = self.straggler.partition(":")
+        rank_text, _, factor_text = self.straggler.partition(":")
         try:
-            rank, factor = int(rank), float(factor)
+            rank, factor = int(rank_text), float(factor_text)
         except ValueError:
             rank, factor = -1, 0.0
         if rank < 0 or not 1 <= factor < float("inf"):
@@ -255,6 +255,7 @@ class TrainConfig:
         straggler = self._straggler()
         if straggler is None:
             return 1.0
+        assert not isinstance(straggler, str)  # a malformed --straggler was refused by validate()
         if straggler[0] >= world_size:
             raise collective_error(InputValueError, f"--straggler {self.straggler}: there is no rank "
                                    f"{straggler[0]} in a job of {world_size} ranks; pick one below {world_size}")

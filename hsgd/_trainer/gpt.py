@@ -83,7 +83,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.apply(self._init)
         for block in self.blocks:  # GPT-2: the residual projections scaled by the depth
+            assert isinstance(block, Block)
             for proj in (block.attn.proj, block.mlp[2]):
+                assert isinstance(proj, nn.Linear)
                 nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod

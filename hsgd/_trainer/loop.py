@@ -119,7 +119,8 @@ class Trainer:
         loader.set_epoch(self.epoch)
         self.hooks.epoch_start(self.epoch, loader.position)
         self._traffic_start = self.opt.traffic
-        start, totals, times = time.perf_counter(), torch.zeros(4, dtype=torch.float64), Counter()
+        times: Counter[str] = Counter()
+        start, totals = time.perf_counter(), torch.zeros(4, dtype=torch.float64)
         window, window_start, stop, batches = torch.zeros(4, dtype=torch.float64), start, None, iter(loader)
         epoch_steps, stepping_end = 0, start
         while stop is None and loader.position < len(loader):

@@ -82,7 +82,7 @@ class RemoteStop(_Stop):
             self.words.fill_(step)[0] = 0
             self.mem.write(0, self.words)
         comm.Barrier()
-        self.stop_at = None
+        self.stop_at: Optional[int] = None
 
     def should_stop(self, step: int) -> bool:
         if self.stop_at is None and step % STOP_CHECK_STEPS == 0:

@@ -177,6 +177,7 @@ def resume_state(cfg: TrainConfig, checkpoint_dir: Path, model, comm) -> Optiona
                 logger.warning("damaged checkpoint(s), skipped: %s; resuming from the newest that "
                                "loads, %s", "; ".join(damaged), path)
         else:
+            assert cfg.resume is not None  # load() runs only with --resume
             path = Path(cfg.resume)
             state = load_checkpoint(path)
         if state is not None:

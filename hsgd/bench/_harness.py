@@ -57,7 +57,7 @@ class Table:
     and notes below."""
 
     columns: Sequence[str]
-    rows: List[Sequence[str]] = field(default_factory=list)
+    rows: List[List[Any]] = field(default_factory=list)  # the cells, str() when written
     title: str = ""
     notes: Sequence[str] = ()
 

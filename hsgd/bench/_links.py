@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 __all__ = ["on_hosts", "link_rates", "LinkMeter", "wire_limit", "init_gloo"]
 
@@ -49,10 +49,11 @@ class LinkMeter:
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         self.reads = node.Get_rank() == 0  # one rank per host reads its eth0
         node.Free()
-        self.comm, self._start = comm, None
+        self.comm = comm
+        self._start: Optional[Tuple[int, int]] = None
 
     @staticmethod
-    def _now():
+    def _now() -> Tuple[int, int]:
         return int((_STATS / "tx_bytes").read_text()), int((_STATS / "rx_bytes").read_text())
 
     def start(self) -> None:
@@ -61,8 +62,9 @@ class LinkMeter:
     def stop(self):
         mine = None
         if self.reads:
-            now = self._now()
-            mine = (now[0] - self._start[0], now[1] - self._start[1])
+            now, began = self._now(), self._start
+            assert began is not None  # start() ran on a reading rank
+            mine = (now[0] - began[0], now[1] - began[1])
         every = self.comm.gather(mine, root=0)
         return None if every is None else [m for m in every if m is not None]
 

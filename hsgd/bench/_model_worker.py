@@ -23,6 +23,8 @@ The timing itself is :mod:`hsgd.bench.allreduce`'s (``_timed``,
 
 from __future__ import annotations
 
+from typing import Any, Dict
+
 import numpy as np
 
 from . import _costs
@@ -55,7 +57,7 @@ def worker(args):
     comm = MPI.COMM_WORLD
     if args._job == "hosts":
         return _hosts_worker(comm, args)
-    out = {"ranks": comm.size, "calibration": None, "validation": []}
+    out: Dict[str, Any] = {"ranks": comm.size, "calibration": None, "validation": []}
     if comm.size == 2:
         out["calibration"] = {"sizes": list(CALIBRATION_SIZES),
                               "level1": [hsgd_times(comm, n, args)[0] for n in CALIBRATION_SIZES],
@@ -183,7 +185,7 @@ def _hosts_worker(comm, args):
     k, first = node.size, node.rank == 0
     node.Free()
     leaders = comm.Split(0 if first else MPI.UNDEFINED, key=comm.rank)
-    out = {"network": None, "validation": []}
+    out: Dict[str, Any] = {"network": None, "validation": []}
     if first:
         nodes = leaders.size
         times = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Tuple
 
 import h5py
 import numpy as np
@@ -129,8 +130,9 @@ def time_dataloader(path, comm, args):
     start, stop = _shard(len(data), comm)
     sampler = SubsetRandomSampler(range(start, stop),
                                   generator=torch.Generator().manual_seed(comm.Get_rank()))
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
-                        num_workers=args.workers)
+    # arg-type: a duck-typed map-style dataset, as users write one; torch's stubs want a Dataset subclass
+    loader: DataLoader[Tuple[torch.Tensor, int]] = DataLoader(
+        data, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers)  # type: ignore[arg-type]
     comm.Barrier()  # everyone starts together
     t0, count = time.perf_counter(), 0
     for _x, y in loader:

@@ -23,6 +23,7 @@ import argparse
 import os
 import time
 from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple, Union
 
 from ._harness import median
 from ._links import LinkMeter, init_gloo, link_rates, on_hosts, wire_limit
@@ -222,7 +223,7 @@ def worker(args):
     comm = MPI.COMM_WORLD
     hosts = on_hosts(args)
     if hosts:  # the hosts are the nodes
-        topologies = {"hosts": Topology.from_comm(comm)}
+        topologies: Dict[Union[int, str], Topology] = {"hosts": Topology.from_comm(comm)}
     else:
         topologies = {1: Topology.from_comm(comm, ranks_per_node=comm.size)}
         if comm.size % 2 == 0:
@@ -236,15 +237,16 @@ def worker(args):
     rows = []
     for workload in args.workloads:
         per_rank = args.cnn_batch if workload == "cnn" else args.mlp_batch
-        skipped = []
+        skipped: List[str] = []
         batches = _batches(args.batches, per_rank, comm.rank, workload)
         if hosts:
             methods = _host_methods(workload, batches, comm, topologies["hosts"], skipped)
         else:
             methods = _methods(workload, batches, comm, topologies, args.period, args.local, skipped)
         names = list(methods)
-        times = {name: [] for name in names}
-        crossed = {name: None for name in names}  # per host: (sent, received), summed over the timed repeats
+        times: Dict[str, List[float]] = {name: [] for name in names}
+        # per host: (sent, received), summed over the timed repeats
+        crossed: Dict[str, Optional[List[Tuple[int, ...]]]] = {name: None for name in names}
         step = 0
         for round_ in range(args.warmup + args.repeats):
             shift = round_ % len(names)

@@ -45,7 +45,10 @@ class Runs:
         self.ranks, self.tmp, self.extra, self.count = ranks, Path(tmp), list(extra), 0
         self.where = where  # a Placement: across its emulated hosts instead (ranks: its own)
         self.cache = cache_dir or str(self.tmp / "cache")
-        self.progress, self.commands, self.crossed, self.steps = progress, [], None, []
+        self.progress = progress
+        self.commands: List[List[str]] = []
+        self.crossed: Optional[List[Tuple[int, int]]] = None  # per host: (sent, received) of the last run
+        self.steps: List[dict] = []
         for _ in range(warmup):
             self(*warmup_options, "--epochs", "1")
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Any, Dict
 
 from ._harness import Result, Table, add_repeat_options, clock, int_at_least, median, positive_float, repeat
 from ._launch import add_hosts_options, check_hosts_options, run_per_rank_count
@@ -179,7 +180,7 @@ def worker(args):
                             rank=comm.rank, world_size=comm.size)
     results = []
     for n in (int(s) for s in args.sizes):
-        row = {"ranks": comm.size, "numel": n, "times": {}}
+        row: Dict[str, Any] = {"ranks": comm.size, "numel": n, "times": {}}
         layouts = [("hsgd", None)] + ([("hsgd 2-level", 2)] if comm.size >= 4 else [])
         for name, rpn in layouts:
             row["times"][name], _ = hsgd_times(comm, n, args, ranks_per_node=rpn)

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Dict
 
 from ..hosts import _launcher
 from ._harness import Progress, Result, Table, int_at_least
@@ -118,7 +119,7 @@ class Jobs:
         start = time.monotonic()
         proc = self._start(argv, env)
         if kill:
-            pids = {}
+            pids: Dict[int, int] = {}
             while len(pids) < self.ranks:
                 line = proc.stdout.readline()
                 if not line:

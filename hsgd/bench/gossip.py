@@ -75,11 +75,11 @@ def run(args, extra) -> Result:
             Progress(count, "hsgd.bench gossip", args.progress) as progress:
         ranks = args.ranks if where is None else where.ranks
         train = Runs(ranks, tmp, args.cache_dir, extra, args.warmup, progress, where=where)
-        epochs = ["--epochs", str(args.epochs)]
+        epoch_options = ["--epochs", str(args.epochs)]
         gossip = ["--sync", "gossip", "--gossip-graph", args.graph]
 
         def measure(name, *options):
-            runs.append((name, *train(*epochs, *options), train.crossed))
+            runs.append((name, *train(*epoch_options, *options), train.crossed))
         if where is not None:
             measure(FLOOR, *gossip, "--gossip-theta", "inf")
         measure("sync", "--sync", "sync")
@@ -116,6 +116,7 @@ def run(args, extra) -> Result:
         record = {"run": name, "intra_bytes": intra, "inter_bytes": inter, "seconds": seconds,
                   "train_seconds": train_s, "final_test_acc": final, "best_test_acc": best, "epochs": epochs}
         if wire:
+            assert crossed is not None and floor_crossed is not None  # runs across hosts count their links
             beyond = [tuple(max(0, a - b) for a, b in zip(run, base)) for run, base in zip(crossed, floor_crossed)]
             limit = wire_limit(beyond, link_rates(args), floor_s, 1)
             busiest = max(max(pair) for pair in crossed)

@@ -37,6 +37,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any, Dict
 
 from ._harness import Progress, Result, Table, add_repeat_options, int_at_least, median, positive_float, repeat
 from ._launch import run_workers
@@ -105,7 +106,7 @@ def run(args, extra) -> Result:
 
 
 def _table(results, args, title) -> Table:
-    rows = {}
+    rows: Dict[Any, Any] = {}  # JSON records, keyed as the table groups them
     for r in results:
         rows.setdefault((r["data"], r["ranks"], r["cache"]), {})[r["method"]] = median(r["rates"])
     table = Table(COLUMNS, title=title, notes=[

@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import Any, Dict, Union
 
 from . import _costs
 from ._harness import (
@@ -156,7 +157,8 @@ def run(args, extra) -> Result:
     measure = hosts or args.validate or None in (args.intra_latency, args.intra_bandwidth, args.local_latency,
                                                  args.local_bandwidth)
     jobs = [2, 4] if args.validate and not hosts else [2] if measure else []
-    measured, network = {}, None
+    measured: Dict[Union[int, str], Any] = {}  # the workers' JSON, by ranks or "hosts"
+    network = None
     steps = len(jobs) + hosts + 1 + (args.png is not None)
     with Progress(steps, "hsgd.bench model", args.progress) as progress:
         for ranks in jobs:  # on this host: the node's parameters (and --validate's configurations)
@@ -165,6 +167,7 @@ def run(args, extra) -> Result:
             progress.step(f"{ranks} ranks measured")
         if hosts:
             with placement(args) as where:
+                assert where is not None  # on_hosts(args)
                 measured["hosts"] = run_workers("model", where.ranks, [*args._argv, "--job", "hosts"],
                                                 timeout=3600, drop_env=["HSGD_RANKS_PER_NODE"], where=where)
                 progress.step(where.describe())

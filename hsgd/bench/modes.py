@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+from typing import Dict, List
 
 from ._harness import Progress, Result, Table, int_at_least, median, positive_float
 from ._launch import check_hosts_options, placement
@@ -117,7 +118,7 @@ def stragglers(train, args):
 
 def balance(train, args):
     options = ["--epochs", str(args.straggler_epochs), "--sync", "sync", "--straggler", f"1:{args.factor:g}"]
-    per_epoch = {False: [], True: []}
+    per_epoch: Dict[bool, List[float]] = {False: [], True: []}
     for _ in range(args.repeats):
         for balanced in (False, True):
             epochs, _ = train(*options, *(["--balance"] if balanced else []))

@@ -36,16 +36,20 @@ Example::
 from __future__ import annotations
 
 import time
-from typing import List
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
 from .._core.checks import check_int
+from .._core.traffic import Traffic
 from .._engine.binding import FlatSlot, SlotBinding
 from .._engine.engine import Engine
 from .._engine.mode import SyncMode, collective
+from .._engine.named import NamedParameterPairs
 from ..errors import InputValueError
+from ..faults.stall import StallInspector
 from ..remote.memory import RemoteMemory
+from ..topology import Topology
 
 __all__ = ["ElasticSGD", "AsyncSGD", "BoxMode", "BoxEngine"]
 
@@ -59,7 +63,7 @@ class BoxEngine(Engine):
     without a copy; others are staged), so reads of ``W_g`` land in them directly.
     """
 
-    def __init__(self, topology, params, who: str):
+    def __init__(self, topology: Topology, params: List[torch.nn.Parameter], who: str) -> None:
         self.slot = FlatSlot(params, who)
         self.binding = SlotBinding(self.slot, params, "data")  # copies the values in, binds views
         self.local = self.slot.buffer  # W_x
@@ -74,7 +78,7 @@ class BoxEngine(Engine):
         self._opened()
 
     @property
-    def traffic(self):
+    def traffic(self) -> Traffic:
         """Bytes this rank read, wrote and accumulated: own node's shards ``intra``, others ``inter``."""
         return self.box.traffic
 
@@ -92,8 +96,9 @@ class BoxMode(SyncMode):
 
     replicas_differ = True
     lockstep = False  # step() waits for nobody: ranks drift apart
+    engine: BoxEngine
 
-    def _make_engine(self, params) -> BoxEngine:
+    def _make_engine(self, params: List[torch.nn.Parameter]) -> BoxEngine:
         return BoxEngine(self.topology, params, type(self).__name__)
 
     @property
@@ -120,22 +125,22 @@ class BoxMode(SyncMode):
                 for p, (_, off) in zip(self._binding.params, self._slot.layout.places)]
 
     @collective("load_global_parameters()")
-    def load_global_parameters(self, tensors, replicas: bool = True) -> None:
+    def load_global_parameters(self, tensors: Iterable[torch.Tensor], replicas: bool = True) -> None:
         """Set ``W_g`` (and with ``replicas`` this rank's parameters) to ``tensors``. Collective."""
         self._check_open()
-        tensors = list(tensors)
+        given = list(tensors)
         params = self._binding.params
-        if len(tensors) != len(params) or any(t.shape != p.shape for t, p in zip(tensors, params)):
+        if len(given) != len(params) or any(t.shape != p.shape for t, p in zip(given, params)):
             raise InputValueError("load_global_parameters: expected one tensor per trainable parameter, "
                                   "shaped like it, in the order of model.parameters()")
         self._finish_round()
         comm = self.topology.comm
         comm.Barrier()  # nobody reads or accumulates the old W_g any more
         if self.topology.rank == 0:
-            self.box.write(0, torch.cat([t.detach().reshape(-1).to("cpu", self.local.dtype) for t in tensors]))
+            self.box.write(0, torch.cat([t.detach().reshape(-1).to("cpu", self.local.dtype) for t in given]))
         if replicas:
             with torch.no_grad():
-                for p, t in zip(params, tensors):
+                for p, t in zip(params, given):
                     p.data.copy_(t)
             self._binding.gather()
         comm.Barrier()
@@ -145,7 +150,7 @@ class BoxMode(SyncMode):
         self.box.accumulate_wait()
 
     @collective("shared_state_dict()")
-    def shared_state_dict(self) -> dict:
+    def shared_state_dict(self) -> Dict[str, Any]:
         """The model with ``W_g`` as its parameters (buffers averaged over ranks). Collective.
 
         Every rank's last update is in ``W_g`` before anyone reads it, however
@@ -159,7 +164,7 @@ class BoxMode(SyncMode):
         return state
 
     @collective("load_shared_state_dict()")
-    def load_shared_state_dict(self, state_dict: dict) -> None:
+    def load_shared_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Set ``W_g`` from a checkpoint's model; each rank's replica stays as loaded. Collective."""
         self.load_global_parameters([state_dict[name] for name in self._trained_names()], replicas=False)
 
@@ -181,16 +186,20 @@ class ElasticSGD(BoxMode):
 
     name = "elastic"
 
-    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, alpha=0.2, tau=1,
-                 broadcast=True, stall_timeout=None, stall_abort=None, stall_abort_after=None, stall=None):
-        self.alpha, self.tau, self._delta = alpha, tau, None
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
+                 named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
+                 alpha: float = 0.2, tau: int = 1, broadcast: bool = True, stall_timeout: Optional[float] = None,
+                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
+                 stall: Optional[StallInspector] = None) -> None:
+        self.alpha, self.tau = alpha, tau
+        self._delta: Optional[torch.Tensor] = None
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          broadcast=broadcast,
                          settings={"alpha": alpha, "tau": tau}, stall_timeout=stall_timeout,
                          stall_abort=stall_abort,
                          stall_abort_after=stall_abort_after, stall=stall)
 
-    def _check(self, alpha, tau) -> None:
+    def _check(self, alpha: Any, tau: Any) -> None:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
             raise InputValueError(f"Invalid alpha: {alpha!r}; use a number in [0, 1] (SEASGD uses 0.1 to 0.5)")
         check_int("tau", tau)
@@ -226,9 +235,12 @@ class AsyncSGD(BoxMode):
 
     name = "async"
 
-    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, broadcast=True,
-                 stall_timeout=None, stall_abort=None, stall_abort_after=None, stall=None):
-        self._change = None
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
+                 named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
+                 broadcast: bool = True, stall_timeout: Optional[float] = None,
+                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
+                 stall: Optional[StallInspector] = None) -> None:
+        self._change: Optional[torch.Tensor] = None
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          broadcast=broadcast, settings={},
                          stall_timeout=stall_timeout, stall_abort=stall_abort,

@@ -18,11 +18,12 @@ import stat
 import sys
 import time
 import traceback
+from typing import Any, Dict
 
 __all__ = ["abort_job", "abort_on_exception", "install_abort_hook", "flush_to_launcher", "ENV"]
 
 ENV = "HSGD_ABORT_ON_EXCEPTION"
-_state = {"enabled": True, "previous": None}
+_state: Dict[str, Any] = {"enabled": True, "previous": None}
 
 
 def abort_job(exc_type, exc, tb, code: int = 1) -> None:

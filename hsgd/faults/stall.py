@@ -52,13 +52,18 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Tuple
 
 import torch
 
 from .._core.agree import collective_error
 from ..errors import InputValueError
 from .abort import flush_to_launcher
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..remote.memory import RemoteMemory
 
 __all__ = ["StallInspector", "WatchedComm", "DEFAULT_TIMEOUT_S", "DEFAULT_ABORT_AFTER_S", "TIMEOUT_ENV", "ABORT_ENV",
            "ABORT_AFTER_ENV", "EXIT_GRACE_S"]
@@ -122,8 +127,12 @@ class StallInspector:
         self.timeout, self.abort, self.abort_after = float(timeout), abort, float(abort_after)
         self.comm, self.rank = comm, comm.Get_rank()
         self._threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE  # may the watchdog call MPI?
-        self.entered, self._step, self._what, self._since = 0, 0, "", None
-        self.board, self._slot, self._thread, self._stop = None, None, None, threading.Event()
+        self.entered, self._step, self._what = 0, 0, ""
+        self._since: Optional[float] = None
+        self.board: Optional[RemoteMemory] = None
+        self._slot: Optional[np.ndarray] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
         self.closed = False
         if self.timeout > 0:
             from ..remote.memory import RemoteMemory
@@ -140,7 +149,7 @@ class StallInspector:
         return self.board is not None
 
     @contextmanager
-    def waiting(self, step: int, what: str = "step()", count: bool = True):
+    def waiting(self, step: int, what: str = "step()", count: bool = True) -> Iterator[None]:
         """Around a synchronization that waits for other ranks. Re-entrant: an inner one
         (``synchronize()`` inside ``step()``) counts as part of the outer. ``count=False``: a
         wait that not every rank enters alike (an allreduce inside a backward hook, whose turn
@@ -153,6 +162,7 @@ class StallInspector:
         self._step, self._what = int(step), what
         if count:
             self.entered += 1
+            assert self._slot is not None  # the board's own shard, mapped while there is a board
             self._slot[0] = (self.entered << _STEP_BITS) | (self._step & ((1 << _STEP_BITS) - 1))
         self._since = time.monotonic()
         try:
@@ -168,8 +178,8 @@ class StallInspector:
 
     def _watch(self) -> None:
         period = min(1.0, self.timeout / 4)
-        reported = (None, 0)  # (the wait's start, reports made during it)
-        arrived = None  # the wait in which every rank was first seen arrived
+        reported: Tuple[Optional[float], int] = (None, 0)  # (the wait's start, reports made during it)
+        arrived: Optional[float] = None  # the wait in which every rank was first seen arrived
         while not self._stop.wait(period):
             since = self._since
             if since is None:
@@ -209,6 +219,7 @@ class StallInspector:
         if not self._threads:
             return "unknown (MPI was initialized without MPI_THREAD_MULTIPLE)"
         board = torch.full((self.comm.Get_size(),), -1, dtype=torch.int64)
+        assert self.board is not None  # the watchdog runs only while there is a board
         silent = set(self.board.read_within(0, board, _READ_TIMEOUT_S))
         words = board.tolist()
         entered = [w >> _STEP_BITS for w in words]

@@ -49,15 +49,19 @@ from __future__ import annotations
 
 import math
 import time
-from typing import List, Tuple
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
 from mpi4py import MPI
 
 from .._core.checks import check_choice, check_int
+from .._engine.binding import FlatSlot
 from .._engine.mode import SyncMode, collective
+from .._engine.named import NamedParameterPairs
 from ..errors import InputValueError
-from .graphs import GRAPHS
+from ..faults.stall import StallInspector
+from ..topology import Topology
+from .graphs import GRAPHS, Graph
 from .transport import GossipEngine
 
 __all__ = ["GossipSGD", "DEFAULT_THETA", "push_sum"]
@@ -66,6 +70,8 @@ __all__ = ["GossipSGD", "DEFAULT_THETA", "push_sum"]
 #: the bytes sent by 98.8% against every-step gossip (95.5% in a 5-epoch run) at the same test
 #: accuracy (docs/benchmarks.md). On a harder problem a smaller theta keeps replicas closer.
 DEFAULT_THETA = 0.1
+#: The peer graphs, as a type: what ``graph`` takes (the keys of :data:`hsgd.gossip.graphs.GRAPHS`).
+GraphName = Literal["random", "ring", "exponential"]
 
 
 def push_sum(x: torch.Tensor, weight: float, received: List[Tuple[torch.Tensor, float]]) -> float:
@@ -95,10 +101,14 @@ class GossipSGD(SyncMode):
     name = "gossip"
     replicas_differ = True
     lockstep = False  # peers wait for peers, nobody for everybody
+    engine: GossipEngine
 
-    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, graph="exponential",
-                 theta=DEFAULT_THETA, seed=0, broadcast=True, stall_timeout=None, stall_abort=None,
-                 stall_abort_after=None, stall=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
+                 named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
+                 graph: GraphName = "exponential", theta: float = DEFAULT_THETA, seed: int = 0,
+                 broadcast: bool = True, stall_timeout: Optional[float] = None,
+                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
+                 stall: Optional[StallInspector] = None) -> None:
         self.graph_name, self.theta, self.seed = graph, theta, seed
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          broadcast=broadcast,
@@ -106,14 +116,14 @@ class GossipSGD(SyncMode):
                          stall_timeout=stall_timeout, stall_abort=stall_abort,
                          stall_abort_after=stall_abort_after, stall=stall)
 
-    def _check(self, graph, theta, seed) -> None:
+    def _check(self, graph: Any, theta: Any, seed: Any) -> None:
         check_choice("graph", graph, GRAPHS)
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta >= 0:
             raise InputValueError(f"Invalid theta: {theta!r}; use a number >= 0 (0: send every round, "
                                   "math.inf: never)")
         check_int("seed", seed, minimum=0)
 
-    def _make_engine(self, params) -> GossipEngine:
+    def _make_engine(self, params: List[torch.nn.Parameter]) -> GossipEngine:
         engine = GossipEngine(self.topology, params, self.graph_name, self.seed)
         self.sent = engine.local.clone()  # x_sent
         self.weight = 1.0
@@ -143,12 +153,12 @@ class GossipSGD(SyncMode):
         return self.engine.local
 
     @property
-    def graph(self):
+    def graph(self) -> Graph:
         """The peer graph (:mod:`hsgd.gossip.graphs`)."""
         return self.engine.graph
 
     @property
-    def _slot(self):
+    def _slot(self) -> FlatSlot:
         return self.engine.slot
 
     def triggered(self) -> bool:
@@ -158,7 +168,7 @@ class GossipSGD(SyncMode):
         moved = torch.dist(self.local, self.sent).item()
         return moved > self.theta * torch.linalg.vector_norm(self.sent).item()
 
-    def _round(self, outs, ins) -> None:
+    def _round(self, outs: Sequence[int], ins: Sequence[int]) -> None:
         send = bool(outs) and self.triggered()
         share = self.weight / (len(outs) + 1) if send else 0.0
         received = self.engine.exchange(outs, ins, send, share)
@@ -180,7 +190,7 @@ class GossipSGD(SyncMode):
         return mass[:-1] / mass[-1]
 
     @collective("shared_state_dict()")
-    def shared_state_dict(self) -> dict:
+    def shared_state_dict(self) -> Dict[str, Any]:
         """The model with the consensus as its parameters (buffers averaged). Collective."""
         state = super().shared_state_dict()
         flat = self.consensus()
@@ -188,13 +198,15 @@ class GossipSGD(SyncMode):
             state[name] = flat[off:off + p.numel()].view(p.shape).to(p.dtype)
         return state
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> Dict[str, Any]:
         """The inner optimizer's state, the step count, and this rank's push-sum weight and ``x_sent``."""
         state = super().state_dict()
         state["hsgd_gossip"] = {"weight": self.weight, "sent": self.sent.clone()}
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned. Without ``"hsgd_gossip"`` (e.g. a checkpoint of
+        another mode) the push-sum weight restarts at 1 and ``x_sent`` at the loaded model."""
         state_dict = dict(state_dict)
         gossip = state_dict.pop("hsgd_gossip", None)
         super().load_state_dict(state_dict)

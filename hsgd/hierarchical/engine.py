@@ -16,23 +16,25 @@ compression of its sums, checked with the mode's own settings.
 
 from __future__ import annotations
 
-from typing import ClassVar, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 import torch
 
 from .._core.agree import collective_error
 from .._core.checks import check_choice
 from .._core.forward import forwarded
+from .._core.traffic import Traffic
 from .._engine.binding import SlotBinding
 from .._engine.engine import Engine
 from .._engine.mode import SyncMode
 from .._engine.overlap import BackwardOverlap
-from ..compression import COMPRESSIONS
+from ..compression import COMPRESSIONS, Compression
 from ..errors import InputTypeError
-from ..inter_node import STRATEGIES
+from ..inter_node import STRATEGIES, InterNode
 from ..intra_node import Layout
+from ..topology import Topology
 from .averager import HierarchicalAverager
-from .outer import OuterLoop
+from .outer import OuterFactory, OuterLoop
 
 __all__ = ["HierarchicalEngine", "HierarchicalMode"]
 
@@ -58,8 +60,8 @@ class HierarchicalEngine(Engine):
         outer: the :class:`~hsgd.hierarchical.outer.OuterLoop`, or ``None``.
     """
 
-    def __init__(self, topology, params: List[torch.nn.Parameter], bind: str, inter_node: str,
-                 compression: Optional[str]):
+    def __init__(self, topology: Topology, params: List[torch.nn.Parameter], bind: str, inter_node: str,
+                 compression: Optional[str]) -> None:
         self.averager = HierarchicalAverager(topology, _layout(params, bind), inter_node, compression)
         self.overlap: Optional[BackwardOverlap] = None
         self.outer: Optional[OuterLoop] = None
@@ -71,12 +73,12 @@ class HierarchicalEngine(Engine):
             raise
         self._opened()
 
-    def start_overlap(self, **kwargs) -> None:
+    def start_overlap(self, **kwargs: Any) -> None:
         """Average the bound gradients in buckets during backward (:class:`BackwardOverlap`'s
         arguments but the averager and the binding). Collective."""
         self.overlap = BackwardOverlap(self.averager, self.binding, **kwargs)
 
-    def start_outer(self, factory, period: int, fragments: int, delay: int, alpha: float) -> None:
+    def start_outer(self, factory: OuterFactory, period: int, fragments: int, delay: int, alpha: float) -> None:
         """DiLoCo's outer step over the bound parameters (:class:`OuterLoop`'s arguments), in a
         second window of the same layout and inter-node strategy. Collective."""
         topology, params, compression = self._args
@@ -95,7 +97,8 @@ class HierarchicalEngine(Engine):
     on_phase = forwarded("averager.on_phase", "outer.on_phase")
 
     @property
-    def traffic(self):
+    def traffic(self) -> Traffic:
+        """The averager's byte counts (the outer step's included)."""
         return self.averager.traffic
 
     def describe(self) -> str:
@@ -125,22 +128,25 @@ class HierarchicalMode(SyncMode):
     """
 
     bind: ClassVar[str] = "grad"
+    engine: HierarchicalEngine
 
-    def __init__(self, optimizer, model=None, *, inter_node="leader", compression=None, settings, **common):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
+                 inter_node: InterNode = "leader", compression: Optional[Compression] = None,
+                 settings: Dict[str, object], **common: Any) -> None:
         self.inter_node = inter_node
         self.compression = None if compression == "none" else compression
         super().__init__(optimizer, model, settings={"inter_node": inter_node, "compression": compression,
                                                      **settings}, **common)
 
-    def _check(self, inter_node, compression, **settings) -> None:
+    def _check(self, inter_node: Any, compression: Any, **settings: Any) -> None:
         check_choice("inter_node", inter_node, STRATEGIES)
         check_choice("compression", "none" if compression is None else compression, COMPRESSIONS)
         self._check_own(**settings)
 
-    def _check_own(self, **settings) -> None:
+    def _check_own(self, *args: Any, **settings: Any) -> None:
         """Raise an :class:`~hsgd.errors.InputError` for a bad setting of this mode."""
 
-    def _make_engine(self, params) -> HierarchicalEngine:
+    def _make_engine(self, params: List[torch.nn.Parameter]) -> HierarchicalEngine:
         return HierarchicalEngine(self.topology, params, self.bind, self.inter_node, self.compression)
 
     @property

@@ -41,13 +41,19 @@ Example::
 from __future__ import annotations
 
 import numbers
-from typing import Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from .._core.checks import check_int
+from .._engine.named import NamedParameterPairs
+from ..compression import Compression
 from ..errors import InputTypeError, InputValueError
-from .engine import HierarchicalMode
+from ..faults.stall import StallInspector
+from ..inter_node import InterNode
+from ..topology import Topology
+from .engine import HierarchicalEngine, HierarchicalMode
+from .outer import OuterFactory
 
 __all__ = ["HierarchicalLocalSGD", "HierarchicalDiLoCo"]
 
@@ -78,10 +84,14 @@ class HierarchicalLocalSGD(HierarchicalMode):
     replicas_differ = True
     balances = True
 
-    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
-                 compression=None, intra_period=1, inter_period=1, outer_optimizer=None, fragments=1,
-                 fragment_sync_delay=0, fragment_update_alpha=0.0, broadcast=True, stall_timeout=None,
-                 stall_abort=None, stall_abort_after=None, stall=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
+                 named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
+                 inter_node: InterNode = "leader", compression: Optional[Compression] = None,
+                 intra_period: int = 1, inter_period: int = 1, outer_optimizer: Optional[OuterFactory] = None,
+                 fragments: int = 1, fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
+                 broadcast: bool = True, stall_timeout: Optional[float] = None,
+                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
+                 stall: Optional[StallInspector] = None) -> None:
         self.intra_period, self.inter_period = intra_period, inter_period
         self.outer_optimizer, self.fragments = outer_optimizer, fragments
         self.fragment_sync_delay, self.fragment_update_alpha = fragment_sync_delay, fragment_update_alpha
@@ -96,14 +106,14 @@ class HierarchicalLocalSGD(HierarchicalMode):
                          stall_timeout=stall_timeout, stall_abort=stall_abort,
                          stall_abort_after=stall_abort_after, stall=stall)
 
-    def _check_own(self, intra_period, inter_period, outer_optimizer, fragments, fragment_sync_delay,
-                   fragment_update_alpha) -> None:
+    def _check_own(self, intra_period: Any, inter_period: Any, outer_optimizer: Any, fragments: Any,
+                   fragment_sync_delay: Any, fragment_update_alpha: Any) -> None:
         check_int("intra_period", intra_period)
         check_int("inter_period", inter_period)
         check_int("fragments", fragments)
         check_int("fragment_sync_delay", fragment_sync_delay, minimum=0)
         alpha = fragment_update_alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= alpha <= 1:
+        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= float(alpha) <= 1:
             raise InputValueError(f"Invalid fragment_update_alpha {alpha!r}; use a number in [0, 1] "
                                   "(0: take the global fragment, 1: keep the local one)")
         if self.outer_optimizer is not None and not callable(self.outer_optimizer):
@@ -118,7 +128,7 @@ class HierarchicalLocalSGD(HierarchicalMode):
             raise InputValueError(f"fragment_sync_delay={fragment_sync_delay} must be below the global period "
                                   f"intra_period * inter_period = {period}: a fragment merges before it syncs again")
 
-    def _make_engine(self, params):
+    def _make_engine(self, params: List[torch.nn.Parameter]) -> HierarchicalEngine:
         engine = super()._make_engine(params)
         if self.outer_optimizer is None:
             return engine
@@ -151,7 +161,7 @@ class HierarchicalLocalSGD(HierarchicalMode):
         if outer is not None:
             outer.step(step, self._shares.factor("global"))
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> Dict[str, Any]:
         """The inner optimizer's state and step count; with ``outer_optimizer`` also
         ``"hsgd_outer"``: the global parameters, the outer optimizers' state and this rank's
         pseudo-gradients in flight."""
@@ -160,15 +170,20 @@ class HierarchicalLocalSGD(HierarchicalMode):
             state["hsgd_outer"] = self.engine.outer.state_dict()
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned: the inner optimizer's state and step count and,
+        with ``outer_optimizer``, the outer step's (``"hsgd_outer"``). Raises
+        :class:`~hsgd.errors.InputValueError` if the state is from a run with an outer optimizer
+        and this one has none, or the other way round."""
         state_dict = dict(state_dict)
         outer = state_dict.pop("hsgd_outer", None)
-        if (outer is None) != (self.engine.outer is None):
+        engine_outer = self.engine.outer
+        if (outer is None) != (engine_outer is None):
             raise InputValueError("the optimizer state is from a run " + ("without" if outer is None else "with")
                                   + " an outer optimizer (DiLoCo); resume with the same mode")
         super().load_state_dict(state_dict)
-        if outer is not None:
-            self.engine.outer.load_state_dict(outer)
+        if outer is not None and engine_outer is not None:
+            engine_outer.load_state_dict(outer)
 
 
 class HierarchicalDiLoCo(HierarchicalLocalSGD):
@@ -179,24 +194,26 @@ class HierarchicalDiLoCo(HierarchicalLocalSGD):
 
     name = "diloco"
 
-    def __init__(self, optimizer, model=None, *, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True, **kwargs):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
+                 **kwargs: Any) -> None:
         self.outer_lr, self.outer_momentum, self.outer_nesterov = outer_lr, outer_momentum, outer_nesterov
         self._given_outer = kwargs.pop("outer_optimizer", None) is not None  # refused in _check_own, agreed
         super().__init__(optimizer, model, outer_optimizer=self._outer_sgd, **kwargs)
 
-    def _outer_sgd(self, params):
+    def _outer_sgd(self, params: List[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum,
                                nesterov=self.outer_nesterov)
 
-    def _check_own(self, **settings) -> None:
+    def _check_own(self, *args: Any, **settings: Any) -> None:
         lr, momentum, nesterov = self.outer_lr, self.outer_momentum, self.outer_nesterov
         if self._given_outer:
             raise InputTypeError("HierarchicalDiLoCo builds its outer SGD from outer_lr, outer_momentum and "
                                  "outer_nesterov; for another outer optimizer use "
                                  "HierarchicalLocalSGD(outer_optimizer=...)")
-        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not lr > 0:
+        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not float(lr) > 0:
             raise InputValueError(f"Invalid outer_lr {lr!r}; use a positive number (DiLoCo: 0.7)")
-        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= momentum < 1:
+        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= float(momentum) < 1:
             raise InputValueError(f"Invalid outer_momentum {momentum!r}; use a number in [0, 1) (DiLoCo: 0.9)")
         if not isinstance(nesterov, bool):
             raise InputTypeError(f"outer_nesterov must be True or False, got {nesterov!r}")

@@ -45,9 +45,11 @@ from .._engine.binding import slot_views
 from ..errors import InputTypeError, InputValueError
 from .averager import HierarchicalAverager
 
-__all__ = ["OuterLoop", "fragment_groups"]
+__all__ = ["OuterLoop", "OuterFactory", "fragment_groups"]
 
 Span = Tuple[int, int, int]  # (segment, lo, hi) in the window
+#: ``factory(params) -> torch.optim.Optimizer``: builds an outer optimizer over a fragment's global parameters.
+OuterFactory = Callable[[List[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 def fragment_groups(numels: Sequence[int], fragments: int) -> List[Tuple[int, int]]:
@@ -80,7 +82,7 @@ class OuterLoop(Closable):
     """
 
     def __init__(self, topology, layout, inter_node: str, compression: Optional[str],
-                 params: List[torch.nn.Parameter], factory: Callable, period: int, fragments: int = 1,
+                 params: List[torch.nn.Parameter], factory: OuterFactory, period: int, fragments: int = 1,
                  delay: int = 0, alpha: float = 0.0, traffic=None):
         if fragments > len(params):
             raise collective_error(InputValueError, f"fragments={fragments} but the model has "
@@ -236,7 +238,7 @@ def _spans(layout, params, a: int, b: int) -> List[Span]:
     return [(seg, lo, hi) for seg, (lo, hi) in sorted(spans.items())]
 
 
-def _build_outers(factory, anchor, groups) -> List[torch.optim.Optimizer]:
+def _build_outers(factory: OuterFactory, anchor, groups) -> List[torch.optim.Optimizer]:
     outers = []
     for a, b in groups:
         try:

@@ -52,6 +52,7 @@ import contextlib
 import math
 import numbers
 import warnings
+from typing import Any, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -59,8 +60,14 @@ from mpi4py import MPI
 
 from .._core.agree import collective_error
 from .._core.checks import check_int
+from .._engine.named import NamedParameterPairs
+from .._engine.overlap import BackwardOverlap
+from ..compression import Compression
 from ..errors import InputTypeError, InputValueError
-from .engine import HierarchicalMode
+from ..faults.stall import StallInspector
+from ..inter_node import InterNode
+from ..topology import Topology
+from .engine import HierarchicalEngine, HierarchicalMode
 
 __all__ = ["HierarchicalSGD", "DEFAULT_BUCKET_MB"]
 
@@ -92,9 +99,13 @@ class HierarchicalSGD(HierarchicalMode):
     balances = True
     finite_guard = True
 
-    def __init__(self, optimizer, model=None, *, named_parameters=None, topology=None, inter_node="leader",
-                 compression=None, backward_passes_per_step=1, overlap=False, bucket_cap_mb=DEFAULT_BUCKET_MB,
-                 broadcast=True, stall_timeout=None, stall_abort=None, stall_abort_after=None, stall=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
+                 named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
+                 inter_node: InterNode = "leader", compression: Optional[Compression] = None,
+                 backward_passes_per_step: int = 1, overlap: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_MB,
+                 broadcast: bool = True, stall_timeout: Optional[float] = None,
+                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
+                 stall: Optional[StallInspector] = None) -> None:
         self.backward_passes_per_step = backward_passes_per_step
         self.overlap, self.bucket_cap_mb = overlap, bucket_cap_mb
         self._synchronized = False
@@ -106,7 +117,7 @@ class HierarchicalSGD(HierarchicalMode):
                          stall_timeout=stall_timeout, stall_abort=stall_abort,
                          stall_abort_after=stall_abort_after, stall=stall)
 
-    def _check_own(self, backward_passes_per_step, overlap, bucket_cap_mb) -> None:
+    def _check_own(self, backward_passes_per_step: Any, overlap: Any, bucket_cap_mb: Any) -> None:
         check_int("backward_passes_per_step", backward_passes_per_step)
         if not isinstance(overlap, bool):
             raise InputTypeError(f"overlap must be True or False, got {overlap!r}")
@@ -115,7 +126,7 @@ class HierarchicalSGD(HierarchicalMode):
             raise InputValueError(f"Invalid bucket_cap_mb: {bucket_cap_mb!r}; use a number of MiB > 0 "
                                   f"(default {DEFAULT_BUCKET_MB})")
 
-    def _make_engine(self, params):
+    def _make_engine(self, params: List[torch.nn.Parameter]) -> HierarchicalEngine:
         engine = super()._make_engine(params)
         if not self.overlap:
             return engine
@@ -134,7 +145,7 @@ class HierarchicalSGD(HierarchicalMode):
         return engine
 
     @property
-    def _overlap(self):
+    def _overlap(self) -> Optional[BackwardOverlap]:
         return self.engine.overlap
 
     def synchronize(self) -> None:
@@ -154,8 +165,10 @@ class HierarchicalSGD(HierarchicalMode):
     def _finish_overlap(self) -> None:
         """``synchronize()`` with ``overlap=True``: backward has averaged (or, on a rank whose
         backward reached no parameter, average now); agree whether a gradient came too late."""
+        overlap = self._overlap
+        assert overlap is not None  # called with overlap=True only
         with self.stall.waiting(self.num_steps, "synchronize()"):
-            overrun = np.array([self._overlap.consume()], dtype=np.int8)
+            overrun = np.array([overlap.consume()], dtype=np.int8)
             self.topology.comm.Allreduce(MPI.IN_PLACE, overrun, op=MPI.MAX)
         self._synchronized = True
         if overrun[0]:
@@ -166,7 +179,7 @@ class HierarchicalSGD(HierarchicalMode):
                 "passes per step>, or run the earlier passes inside opt.no_sync()"))
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Inside this block backward does not average (``overlap=True``): the gradients
         accumulate on this rank, to be averaged by the next backward outside the block or by
         ``synchronize()``/``step()``, as in DDP's ``no_sync()``. Without overlap backward never
@@ -192,7 +205,7 @@ class HierarchicalSGD(HierarchicalMode):
                    for seg in range(len(self.averager.layout.dtypes)))
 
     @contextlib.contextmanager
-    def skip_synchronize(self):
+    def skip_synchronize(self) -> Iterator[None]:
         """Inside this block ``step()`` does not average (call ``synchronize()`` first)."""
         self._skip = True
         try:

@@ -112,14 +112,14 @@ class EmulatedHosts:
         ``ranks_per_host`` ranks on every host (or ``ranks_per_host[i]`` on host ``i``).
         ``launcher``: an MPICH or Open MPI ``mpiexec`` (default: the one next to this Python,
         else PATH's). Run it with :meth:`tcp_env` in its environment."""
-        self._check_open()
+        state = self._check_open()
         counts = [ranks_per_host] * len(self.hosts) if isinstance(ranks_per_host, int) else list(ranks_per_host)
         if len(counts) != len(self.hosts) or any(isinstance(k, bool) or not isinstance(k, int) or k < 0
                                                  for k in counts) or sum(counts) == 0:
             raise ValueError(f"invalid ranks per host {ranks_per_host!r} for {len(self.hosts)} hosts: give "
                              "one count >= 0 for every host (or one for all), at least one rank in all")
         launcher = launcher or mpiexec()
-        return launch_command(self._state, self.rsh, launcher, mpi_flavour(launcher), counts, list(args))
+        return launch_command(state, self.rsh, launcher, mpi_flavour(launcher), counts, list(args))
 
     def tcp_env(self, launcher: Optional[str] = None) -> Dict[str, str]:
         """Environment variables that keep the MPI's bytes between the hosts on TCP (add them to
@@ -134,8 +134,8 @@ class EmulatedHosts:
     # --- the links ----------------------------------------------------------------------------
     def counters(self) -> List[Dict[str, int]]:
         """For every host, the bytes it has ``sent`` and ``received`` over its link so far."""
-        self._check_open()
-        return _net.counters(self._state)
+        state = self._check_open()
+        return _net.counters(state)
 
     def crossed(self, before: List[Dict[str, int]]) -> List[Dict[str, int]]:
         """What every host sent and received since ``before`` (an earlier :meth:`counters`)."""
@@ -167,13 +167,16 @@ class EmulatedHosts:
         _net._kill_namespace(self.hosts[host].netns)
 
     # --- life cycle ---------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def _check_open(self) -> Dict:
+        """The run's state; raises :class:`HostsError` once :meth:`close` ran."""
         if self._state is None:
             raise HostsError("these emulated hosts were removed (close() ran)")
+        return self._state
 
     def close(self) -> None:
         """Remove the hosts, with every process on them. Idempotent."""
-        state, self._state = self._state, None
+        state: Optional[Dict] = self._state
+        self._state = None
         failed = _net.teardown(state) if state is not None else []
         if self._guard is not None:
             try:
@@ -182,6 +185,7 @@ class EmulatedHosts:
                 self._guard.kill()
             self._guard = None
         if failed:
+            assert state is not None  # only a run's teardown fails
             raise HostsError(f"could not remove {', '.join(failed)} (run {state['id']}); "
                              "'python -m hsgd.hosts clean' tries again")
 

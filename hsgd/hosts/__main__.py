@@ -37,7 +37,7 @@ def _counts(text: str) -> List[int]:
 
 
 def _links(text: str) -> List[Optional[str]]:
-    links = text.split(",")
+    links: List[Optional[str]] = list(text.split(","))
     for link in links:
         try:
             parse_rate(link)

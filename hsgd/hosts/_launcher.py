@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 __all__ = ["mpiexec", "mpi_flavour", "mpi_command", "mpi_env", "root_env", "start", "wait", "run_job", "JobHung",
            "kill_tree", "descendants"]
@@ -90,13 +90,13 @@ class JobHung(Exception):
         self.cmd, self.timeout, self.out, self.err = list(cmd), timeout, out, err
 
 
-def start(cmd: Sequence[str], env: Dict[str, str], cwd=None) -> subprocess.Popen:
+def start(cmd: Sequence[str], env: Dict[str, str], cwd: Optional[str] = None) -> subprocess.Popen[str]:
     """Start ``cmd`` in a session of its own, its stdout and stderr captured as text."""
     return subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=cwd, start_new_session=True)
 
 
-def wait(proc: subprocess.Popen, timeout: Optional[float] = None) -> Tuple[str, str]:
+def wait(proc: subprocess.Popen[str], timeout: Optional[float] = None) -> Tuple[str, str]:
     """``proc``'s stdout and stderr once it ends. After ``timeout`` seconds kill it and every
     process below it and raise :class:`JobHung`; on any other way out (Ctrl-C) kill them too."""
     try:
@@ -104,14 +104,15 @@ def wait(proc: subprocess.Popen, timeout: Optional[float] = None) -> Tuple[str, 
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         out, err = proc.communicate()
-        raise JobHung(proc.args, timeout, out, err) from None
+        assert timeout is not None  # only a timeout expires
+        raise JobHung(cast(Sequence[str], proc.args), timeout, out, err) from None  # the list start() gave
     finally:
         if proc.poll() is None:  # interrupted (Ctrl-C): take the ranks down with the launcher
             kill_tree(proc.pid)
 
 
 def run_job(cmd: Sequence[str], env: Dict[str, str], timeout: Optional[float] = None,
-            cwd=None) -> subprocess.CompletedProcess:
+            cwd: Optional[str] = None) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` to its end, output captured (:func:`start`, :func:`wait`); :class:`JobHung`
     if it outlives ``timeout``."""
     proc = start(cmd, env, cwd)

@@ -89,8 +89,9 @@ def missing_capability() -> Optional[str]:
             return (f"emulated hosts need '{tool}' on PATH (Debian: apt-get install iproute2 "
                     f"util-linux)")
     try:
-        caps = int(re.search(r"^CapEff:\s*([0-9a-f]+)$", Path("/proc/self/status").read_text(), re.M).group(1), 16)
-    except (OSError, AttributeError):
+        found = re.search(r"^CapEff:\s*([0-9a-f]+)$", Path("/proc/self/status").read_text(), re.M)
+        caps = int(found.group(1), 16) if found is not None else 0
+    except OSError:
         caps = 0
     if not (caps >> _CAP_NET_ADMIN & 1 and caps >> _CAP_SYS_ADMIN & 1):
         return ("emulated hosts need root (CAP_NET_ADMIN and CAP_SYS_ADMIN, to make network and "

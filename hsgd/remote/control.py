@@ -43,7 +43,7 @@ class ControlWords:
         self._win = MPI.Win.Allocate(16 if comm.Get_rank() == root else 0, 8, info, comm)
         self._win.Lock_all(MPI.MODE_NOCHECK)
         if comm.Get_rank() == root:
-            np.frombuffer(self._win.tomemory(), dtype=np.int64)[:] = 0
+            np.frombuffer(self._win.tomemory(), dtype=np.int64)[:] = 0  # type: ignore[call-overload]  # numpy's stubs take no mpi4py buffer before Python 3.12
         self._win.Sync()
         self.held = False
 

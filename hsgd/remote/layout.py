@@ -62,7 +62,7 @@ def agree_owners(comm, numel, dtype, owners, chunk_bytes,
         raise collective_error(InputValueError, "ranks were given different RemoteMemory arguments "
                                "(numel, dtype, owners, chunk_bytes); pass the same on every rank")
     own_topology = topology is None
-    topo = Topology.from_comm(comm) if own_topology else topology
+    topo = Topology.from_comm(comm) if topology is None else topology
     try:
         node_ranks = set(topo.node_comm.allgather(comm.Get_rank()))
         if not owners:

@@ -73,7 +73,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -112,9 +112,9 @@ class RemoteMemory(Closable):
     The region starts zero-filled.
     """
 
-    def __init__(self, comm, numel: int, dtype=torch.float32, owners: Optional[Sequence[int]] = None,
-                 *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, topology: Optional[Topology] = None,
-                 progress_idle: float = IDLE_S):
+    def __init__(self, comm: Optional[MPI.Intracomm], numel: int, dtype: torch.dtype = torch.float32,
+                 owners: Optional[Sequence[int]] = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 topology: Optional[Topology] = None, progress_idle: float = IDLE_S) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm
         owners, node_ranks = agree_owners(comm, numel, dtype, owners, chunk_bytes, topology)
         self.comm, self.numel, self.dtype, self.owners = comm, int(numel), dtype, owners
@@ -136,7 +136,7 @@ class RemoteMemory(Closable):
         self._win.Lock_all(MPI.MODE_NOCHECK)
         # Zero the own shard (Win.Allocate does not), then make it visible to all.
         if shard:
-            np.frombuffer(self._win.tomemory(), dtype=self._np_dtype)[:] = 0
+            np.frombuffer(self._win.tomemory(), dtype=self._np_dtype)[:] = 0  # type: ignore[call-overload]  # numpy's stubs take no mpi4py buffer before Python 3.12
         self._win.Sync()
         comm.Barrier()
         self._direct = {owner: view for owner in self._local
@@ -159,7 +159,7 @@ class RemoteMemory(Closable):
                 return None
         if count == 0 or len(mem) < count * self.itemsize:
             return None
-        return np.frombuffer(mem, dtype=self._np_dtype, count=count)
+        return np.frombuffer(mem, dtype=self._np_dtype, count=count)  # type: ignore[call-overload]  # numpy's stubs take no mpi4py buffer before Python 3.12
 
     # --- checks, before any MPI call ----------------------------------------------------
     def _check_transfer(self, what: str, offset, tensor) -> int:
@@ -325,7 +325,7 @@ class RemoteMemory(Closable):
 
     # --- the lock ---------------------------------------------------------------------------------
     @contextmanager
-    def lock(self):
+    def lock(self) -> Iterator[RemoteMemory]:
         """A mutex over the whole region, among all ranks of ``comm``.
 
         Waits (polling with backoff, up to 2 ms between tries) while another

@@ -181,13 +181,16 @@ class Doorbells:
                 return
             self._last[owner] = now
             self._sent[owner] += 1
+            assert self.comm is not None  # an owner on another host: active, and not closed
             self.comm.Isend([np.empty(0, dtype=np.uint8), MPI.BYTE], owner, _TAG).Free()
 
     def poll(self) -> int:
         """(The progress thread.) Drive MPI's progress; receive the doorbells that arrived."""
         status, heard = MPI.Status(), 0
-        while self.comm.Iprobe(MPI.ANY_SOURCE, _TAG, status):
-            self.comm.Recv([np.empty(0, dtype=np.uint8), MPI.BYTE], status.Get_source(), _TAG)
+        comm = self.comm
+        assert comm is not None  # polled only while serving: active, and not closed
+        while comm.Iprobe(MPI.ANY_SOURCE, _TAG, status):
+            comm.Recv([np.empty(0, dtype=np.uint8), MPI.BYTE], status.Get_source(), _TAG)
             self._heard[status.Get_source()] += 1
             heard += 1
         return heard
