@@ -44,13 +44,20 @@ autodoc_preserve_defaults = True
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+# "Attributes:" sections as fields, not as a second description of each property
+napoleon_use_ivar = True
 
 # Every cross-reference must resolve (-n). Names of other projects cannot here (the site builds
 # offline, without intersphinx), nor hsgd's private modules (hsgd._*), which the site does not
 # document: those render as code. A broken reference to anything else fails the build.
 nitpicky = True
 nitpick_ignore_regex = [
-    (r"py:.*", r"(torch|numpy|np|mpi4py|MPI|h5py|argparse|pathlib|contextlib|collections|typing|abc)(\..*)?"),
+    (r"py:.*", r"(torch|numpy|np|mpi4py|MPI|h5py|argparse|pathlib|contextlib|collections|typing|abc|os|numbers)"
+               r"(\..*)?"),
+    # type aliases in signatures, shown by name: torch's parameter iterable, numbers, and hsgd's own
+    # Literal and container aliases (their values are in the docstrings that use them)
+    (r"py:class", r"ParamsT|Number|ReduceOp|NamedTensors|NamedParameterPairs|PhaseCallback|OuterFactory"
+                  r"|InterNode|Compression|GraphName"),
     (r"py:.*", r"hsgd\._.*"),
     (r"py:.*", r"hsgd(\.[a-z]\w*)*\._\w+(\..*)?"),
 ]

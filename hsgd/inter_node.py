@@ -63,7 +63,7 @@ CHUNK_BYTES = 4 << 20  # the largest single inter-node allreduce
 
 
 class Pending:
-    """Sums under way (:meth:`_Strategy.start_allreduce`), one step after another: ``test()``
+    """Sums under way (``_Strategy.start_allreduce``), one step after another: ``test()``
     moves them on and says whether all are done, ``wait()`` blocks until they are; ``sent``:
     the bytes this rank sends. Each step is a ``fn() -> (request, finish or None)``, started
     when the one before it completed (a chunk's sum is one or two steps,

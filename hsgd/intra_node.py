@@ -3,7 +3,7 @@
 Every node allocates one window with ``MPI.Win.Allocate_shared``; each local
 rank owns one *slot* in it, laid out by a :class:`Layout` (one aligned
 segment per dtype). Training writes straight into the slots: gradients are
-views into the rank's own slot (see :mod:`hsgd.hierarchical.synchronous`), so backward
+views into the rank's own slot (see :class:`hsgd.HierarchicalSGD`), so backward
 fills shared memory with no copy.
 
 The node reduction is a parallel reduce-scatter in shared memory: with ``k``
@@ -108,7 +108,7 @@ class Layout:
 class SharedSlots(Closable):
     """One shared window per node, one slot (a :class:`Layout`) per local rank.
 
-    Collective over ``node_comm`` to build and to :meth:`close`. ``slot(r, s)``
+    Collective over ``node_comm`` to build and to ``close()``. ``slot(r, s)``
     is a torch view of segment ``s`` of local rank ``r``'s slot, straight over
     the shared memory.
     """

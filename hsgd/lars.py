@@ -125,7 +125,7 @@ class LARS(Optimizer):
 
     Args:
         params: iterable of parameters or dicts defining parameter groups.
-        lr: global learning rate :math:`\gamma` (see :func:`hsgd.schedules.scaled_lr`).
+        lr: global learning rate :math:`\gamma` (see :func:`hsgd.scaled_lr`).
         momentum: momentum factor :math:`m`, in ``[0, 1)``.
         weight_decay: :math:`\beta` (L2 penalty, inside the adaptive update).
         trust_coefficient: :math:`\eta`, > 0.

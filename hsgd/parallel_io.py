@@ -192,7 +192,7 @@ class ContiguousH5Loader:
 
     @property
     def rank_batch_size(self) -> int:
-        """This rank's batch size: its share, or ``batch_size``."""
+        """This rank's batch size (its share, or ``batch_size``)."""
         return self.batch_size if self._shares is None else self._shares[self.rank]
 
     def set_shares(self, shares: Optional[Sequence[int]]) -> None:
@@ -216,7 +216,7 @@ class ContiguousH5Loader:
         self._shares = None if shares is None else [int(b) for b in shares]
 
     def plan(self, epoch: Optional[int] = None) -> EpochPlan:
-        """This rank's :class:`EpochPlan` for ``epoch`` (default: the current one)."""
+        """This rank's ``EpochPlan`` for ``epoch`` (default: the current one)."""
         return plan_epoch(self.num_samples, self.world_size, self.rank, self.batch_size,
                           self.block_size, self.seed, self._epoch if epoch is None else epoch,
                           self.drop_last, shuffle=self.shuffle, pad=self.pad,

@@ -64,12 +64,14 @@ class Topology(Closable):
 
     Attributes:
         comm: the world communicator the topology was built from.
-        rank, size: this rank and the number of ranks in ``comm``.
+        rank: this rank in ``comm``.
+        size: the number of ranks in ``comm``.
         node_comm: the ranks of this (virtual) node, ordered by world rank.
         node_ranks: their world ranks, in that order.
-        local_rank, local_size: this rank's place in, and the size of, ``node_comm``.
-        node_index, num_nodes: which node this is (0-based, ordered by the
-            node's lowest world rank) and how many nodes there are.
+        local_rank: this rank's place in ``node_comm``.
+        local_size: the size of ``node_comm``.
+        node_index: which node this is (0-based, ordered by the node's lowest world rank).
+        num_nodes: how many nodes there are.
         node_sizes: the size of every node, indexed by ``node_index``.
         is_leader: ``local_rank == 0``.
         leader_comm: the leaders of all nodes (``None`` on non-leaders).

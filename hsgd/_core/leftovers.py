@@ -61,7 +61,7 @@ def job_files() -> List[str]:
 
 def unlink_mpi_files(comm) -> List[str]:
     """Once per process: after a barrier on ``comm`` (every rank is past ``MPI_Init`` and has
-    attached the segments), one rank per node unlinks :func:`job_files`. Collective the first
+    attached the segments), one rank per node unlinks ``job_files()``. Collective the first
     time; returns what this rank removed. Only for a ``comm`` as large as ``COMM_WORLD``:
     a rank outside ``comm`` might not have attached yet."""
     from mpi4py import MPI

@@ -116,10 +116,10 @@ class SyncMode(InnerOptimizer, Closable):
         topology: a :class:`~hsgd.Topology`; default ``Topology.from_comm()`` over the
             world (closed by :meth:`close` when built here).
         broadcast: copy parameters and buffers from rank 0 at construction.
-        settings: the subclass's own arguments, checked by :meth:`_check` and compared
+        settings: the subclass's own arguments, checked by ``_check()`` and compared
             across ranks.
         stall_timeout, stall_abort, stall_abort_after: the stall inspector's
-            (:mod:`hsgd.faults.stall`): report the ranks missing from a synchronization after
+            (``hsgd.faults.stall``): report the ranks missing from a synchronization after
             ``stall_timeout`` seconds (default ``HSGD_STALL_TIMEOUT`` or 60; 0: off, the abort
             included), abort the job after a wait of ``stall_abort_after`` seconds (default
             ``HSGD_STALL_ABORT_AFTER`` or 600; 0: never), or after the first report with
@@ -219,7 +219,7 @@ class SyncMode(InnerOptimizer, Closable):
 
     @property
     def traffic(self) -> Dict[str, int]:
-        """Bytes this rank moved since construction: ``intra_bytes`` and ``inter_bytes``."""
+        """Bytes this rank moved since construction, as ``intra_bytes`` and ``inter_bytes``."""
         return self.engine.traffic.as_dict()
 
     # --- the model the trainer evaluates and saves -------------------------------------------
@@ -227,7 +227,7 @@ class SyncMode(InnerOptimizer, Closable):
     def shared_state_dict(self) -> Dict[str, Any]:
         """The model worth evaluating and saving, on the CPU, the same on every rank. Collective.
 
-        The ranks' average (:func:`~hsgd.replicas.averaged_state_dict`): the
+        The ranks' average (``hsgd.replicas.averaged_state_dict``): the
         replicas themselves in synchronous SGD, their consensus in local SGD.
         """
         return averaged_state_dict(self.model, self.topology.comm)

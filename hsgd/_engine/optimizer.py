@@ -41,7 +41,7 @@ class InnerOptimizer(torch.optim.Optimizer):
     # inner optimizer's own objects, which is what the override error flags.
     @property
     def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
-        """The inner optimizer's list itself: an LR set through either is seen by both."""
+        """The inner optimizer's list itself, so an LR set through either is seen by both."""
         return self.optimizer.param_groups
 
     @property

@@ -1,6 +1,6 @@
 """``python -m hsgd.bench SUBCOMMAND [options]``: run one benchmark, print its tables.
 
-Each subcommand is a module of :mod:`hsgd.bench` (see :data:`hsgd.bench.SUBCOMMANDS`).
+Each subcommand is a module of ``hsgd.bench`` (see :data:`hsgd.bench.SUBCOMMANDS`).
 Its options, ``--json PATH`` and ``--progress`` are parsed here; the
 training benchmarks (``modes``, ``gossip``) pass options they do not know on
 to ``python -m hsgd.train``, the others reject them. A bad option prints

@@ -24,7 +24,7 @@ itself):
 * ``box, owner computes``: as ``box``, but rank 0 computes (float32 matrix
   products) instead of waiting inside MPI. Across hosts over TCP its MPI
   library must move the bytes of the others' operations: this is what hsgd's
-  progress thread is for (:mod:`hsgd.remote.progress`; compare a run with
+  progress thread is for (``hsgd.remote.progress``; compare a run with
   ``HSGD_PROGRESS=0``). On one host it changes nothing.
 
 Reported: updates per second summed over workers (rank 0's own in ``all

@@ -1,9 +1,9 @@
 """Faults that end a job instead of hanging it, and leave nothing behind.
 
-- :mod:`hsgd.faults.abort`: an uncaught exception on any rank prints its
+- ``hsgd.faults.abort``: an uncaught exception on any rank prints its
   traceback once, tagged with the rank, and aborts the whole job
   (``MPI_Abort``), in the manner of ``python -m mpi4py``;
-- :mod:`hsgd.faults.stall`: the :class:`StallInspector` names the ranks
+- ``hsgd.faults.stall``: the :class:`StallInspector` names the ranks
   missing from a synchronization that waits too long, and ends a job that
   waits for good;
 - :mod:`hsgd._core.leftovers`: the files MPI leaves in ``/dev/shm`` and

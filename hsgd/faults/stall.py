@@ -14,7 +14,7 @@ A watchdog thread on each rank wakes every ``timeout / 4`` seconds (at most
 every second); if its rank has been waiting in the same synchronization for
 ``timeout`` seconds, it reads every rank's slot one-sidedly (the ranks need
 not answer: where the network needs the owner's MPI to move the bytes, the
-owner's progress thread does, :mod:`hsgd.remote.progress`; a rank that does
+owner's progress thread does, ``hsgd.remote.progress``; a rank that does
 not answer within a few seconds, its host dead or cut off, is named as such)
 and writes to stderr::
 
@@ -255,7 +255,7 @@ _COLLECTIVES = frozenset(
 
 class WatchedComm:
     """An mpi4py communicator whose collectives wait under a :class:`StallInspector`
-    (:meth:`StallInspector.watched`); everything else passes through. Not a ``MPI.Comm``: hand
+    (:meth:`hsgd.faults.StallInspector.watched`); everything else passes through. Not a ``MPI.Comm``: hand
     the plain communicator to what builds MPI objects from it (windows, splits)."""
 
     def __init__(self, comm, inspector: StallInspector, step: Callable[[], int]):

@@ -1,7 +1,7 @@
 """``GossipSGD``: local steps, then averaging with peers; adaptive: only a changed model is sent.
 
 Gossip SGD (``shared/PAPERS.md``, sections 3 and 4): after each local step a
-rank averages its model with its peers of the round (:mod:`hsgd.gossip.graphs`);
+rank averages its model with its peers of the round (``hsgd.gossip.graphs``);
 there is no global collective in the step, only messages between peers.
 Every exchange is push-sum (Kempe et al. 2003; SGP's ``PushSum``): each rank
 keeps a weight ``w`` (1 at the start) and its model ``x``; a rank that sends
@@ -92,7 +92,7 @@ class GossipSGD(SyncMode):
     Args:
         optimizer, model, topology, broadcast: see :class:`~hsgd._engine.mode.SyncMode`.
         graph: ``"exponential"`` (directed, push-sum), ``"ring"`` or ``"random"``
-            (symmetric matchings); see :mod:`hsgd.gossip.graphs`.
+            (symmetric matchings); see ``hsgd.gossip.graphs``.
         theta: send only when the model moved more than ``theta`` times the
             norm of what was last sent; 0 sends every round, ``math.inf`` never.
         seed: the shared seed of the ``"random"`` graph.
@@ -154,7 +154,7 @@ class GossipSGD(SyncMode):
 
     @property
     def graph(self) -> Graph:
-        """The peer graph (:mod:`hsgd.gossip.graphs`)."""
+        """The peer graph (``hsgd.gossip.graphs``)."""
         return self.engine.graph
 
     @property

@@ -1,6 +1,6 @@
 """The gossip family's engine: a flat replica, the peer graph, and the messages between peers.
 
-Kept apart as SGP keeps them: the *graph* (:mod:`hsgd.gossip.graphs`) says
+Kept apart as SGP keeps them: the *graph* (``hsgd.gossip.graphs``) says
 whom each rank hears from in a round, this *transport* moves a round's
 headers and models, and the *mixing* (push-sum, :func:`hsgd.gossip.sgd.push_sum`)
 says what a rank does with what arrived.

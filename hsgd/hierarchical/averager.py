@@ -87,13 +87,13 @@ class HierarchicalAverager(Closable):
         self.timed("intra", self._spread, scale / topo.size)
 
     def timed(self, key: str, fn, *args) -> None:
-        """Run ``fn(*args)``, reporting its time as phase ``key`` to :attr:`on_phase`."""
+        """Run ``fn(*args)``, reporting its time as phase ``key`` to ``on_phase``."""
         start = time.perf_counter()
         fn(*args)
         self.report(key, start, time.perf_counter())
 
     def report(self, key: str, start: float, end: float) -> None:
-        """Tell :attr:`on_phase` that phase ``key`` ran from ``start`` to ``end``."""
+        """Tell ``on_phase`` that phase ``key`` ran from ``start`` to ``end``."""
         if self.on_phase is not None:
             self.on_phase(key, start, end)
 

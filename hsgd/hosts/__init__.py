@@ -10,9 +10,9 @@ bridge (:mod:`hsgd.hosts._net`). MPI starts ranks on them through MPICH's
 hydra or Open MPI's PRRTE, with TCP forced between hosts
 (:mod:`hsgd.hosts._mpi`); the links' byte counters show what crossed. The
 ``mpiexec`` used by default and its flavour come from
-:mod:`hsgd.hosts._launcher`, the launcher that :mod:`hsgd.bench` and the
+:mod:`hsgd.hosts._launcher`, the launcher that ``hsgd.bench`` and the
 tests start their jobs with on this host (this package imports nothing from
-:mod:`hsgd.bench`, which builds on it).
+``hsgd.bench``, which builds on it).
 
 Example (as root)::
 
@@ -66,7 +66,7 @@ class EmulatedHosts:
     """``count`` hosts on this machine, each on a link of rate ``link``. Made at construction.
 
     Args:
-        count: how many hosts (1 to :data:`MAX_HOSTS`).
+        count: how many hosts (1 to ``MAX_HOSTS``).
         link: the rate of every host's link (``"1gbit"``, ``"100mbit"``; tc's units, bits per
             second), a list with one rate per host, or ``None``: unshaped.
         guard: start the guard process that removes the hosts if this process dies first.

@@ -1,7 +1,7 @@
 """Starting MPI jobs on this machine: one launcher for MPICH and Open MPI, no job left running.
 
 The one launcher of the tools: :mod:`hsgd.hosts` (the ``mpiexec`` and its
-flavour), :mod:`hsgd.bench` (every job it starts) and the tests
+flavour), ``hsgd.bench`` (every job it starts) and the tests
 (``tests/mpirun.py``) start their jobs through it.
 
 - :func:`mpiexec`: the ``mpiexec`` next to this Python (the pip ``mpich`` or

@@ -3,7 +3,7 @@
 :class:`RemoteMemory` is a sharded region that ranks write, read and
 accumulate into with no work by the owners (:mod:`hsgd.remote.memory`). It is
 transport: the parameter box's modes (:mod:`hsgd.box`), the stall inspector
-(:mod:`hsgd.faults.stall`) and the trainer's stop are built on it.
+(``hsgd.faults.stall``) and the trainer's stop are built on it.
 """
 
 from .memory import RemoteMemory

@@ -55,7 +55,7 @@ How it works, and why so:
   it must make progress: a region whose ranks span hosts rings a doorbell
   on the owner before each operation, and the owner runs a progress thread
   of hsgd's own that polls MPI while doorbells come in, and backs off to a
-  slow poll when none do (:mod:`hsgd.remote.progress`). Nothing to set.
+  slow poll when none do (``hsgd.remote.progress``). Nothing to set.
 - The lock and the version counter live in a small second window on
   ``owners[0]``, driven the same way (``Compare_and_swap`` and
   ``Fetch_and_op``). mpi4py's ``util.sync.Mutex`` and ``Counter`` are the
@@ -106,7 +106,7 @@ class RemoteMemory(Closable):
         topology: a :class:`~hsgd.Topology` over ``comm`` to take the nodes
             from (default: built here and freed again).
         progress_idle: across hosts, how often (seconds) an owner's progress thread polls while
-            no doorbell comes in (:mod:`hsgd.remote.progress`); a region read only now and
+            no doorbell comes in (``hsgd.remote.progress``); a region read only now and
             then can afford a slow poll.
 
     The region starts zero-filled.
