@@ -9,7 +9,7 @@ Example::
 
     >>> from hsgd.modes import SYNC_MODES
     >>> sorted(SYNC_MODES)
-    ['async', 'elastic', 'gossip', 'local', 'sync']
+    ['async', 'diloco', 'elastic', 'gossip', 'local', 'sync']
 """
 
 from __future__ import annotations

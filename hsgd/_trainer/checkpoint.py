@@ -130,8 +130,9 @@ def newest_loadable(directory) -> Tuple[Optional[Path], Optional[dict], List[str
 def load_checkpoint(path) -> dict:
     """Load a checkpoint onto the CPU with ``weights_only=True``.
 
-    Raises ``ValueError`` saying what is wrong when the file is not a
-    checkpoint written by :func:`save_checkpoint`.
+    Raises ``FileNotFoundError`` (:class:`~hsgd.errors.InputFileNotFoundError`) when there is no
+    such file, and ``ValueError`` saying what is wrong when the file is not a checkpoint written
+    by :func:`save_checkpoint`.
     """
     path = Path(path)
     if not path.is_file():

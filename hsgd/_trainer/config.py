@@ -89,7 +89,7 @@ class TrainConfig:
     seed: int = _opt(0, "seed of model init and data order")
     threads: int = _opt(0, "torch threads per rank; 0: $SLURM_CPUS_PER_TASK, else $OMP_NUM_THREADS, "
                                     "else cores / ranks on this node")
-    device: str = _opt("cpu", "cpu | cuda (one GPU per local rank) | auto", choices=["cpu", "cuda", "auto"])
+    device: str = _opt("cpu", "cpu | cuda (one GPU per rank on its host) | auto", choices=["cpu", "cuda", "auto"])
     amp: str = _opt("none", "mixed precision: none | bf16 (forward and loss autocast to bfloat16) | fp16 "
                             "(autocast to float16, the loss scaled by a GradScaler); on the CPU a child "
                             "process tries it first: where it would crash (bf16 kernels on a CPU whose "
