@@ -77,6 +77,14 @@ def _cell(text: str) -> str:
     return re.sub(r"(\w)_(?=\W|$)", r"\1\\_", text)
 
 
+def _parsed(directive: SphinxDirective, lines: List[str]) -> List[nodes.Node]:
+    """``lines`` of reST (section titles allowed) parsed where ``directive`` stands."""
+    container = nodes.section()
+    container.document = directive.state.document
+    nested_parse_with_titles(directive.state, StringList(lines, source=directive.name), container)
+    return list(container.children)
+
+
 class TrainerOptions(SphinxDirective):
     """The trainer's options, from the parser of ``python -m hsgd.train --help``."""
 
@@ -106,13 +114,7 @@ class TrainerOptions(SphinxDirective):
                 lines += [f"   * - ``{flags}``", f"     - ``{action.default!r}``", f"     - {help_text}"]
             lines.append("")
         self.env.note_dependency(inspect.getsourcefile(build_parser) or "")
-        return self._parse(lines)
-
-    def _parse(self, lines: List[str]) -> List[nodes.Node]:
-        container = nodes.section()
-        container.document = self.state.document
-        nested_parse_with_titles(self.state, StringList(lines, source="hsgd-trainer-options"), container)
-        return container.children
+        return _parsed(self, lines)
 
 
 class ApiReference(SphinxDirective):
@@ -138,10 +140,7 @@ class ApiReference(SphinxDirective):
             lines += [title, "-" * len(title), ""]
             for name in group:
                 lines += self._entry(name, getattr(hsgd, name))
-        container = nodes.section()
-        container.document = self.state.document
-        nested_parse_with_titles(self.state, StringList(lines, source="hsgd-api"), container)
-        return container.children
+        return _parsed(self, lines)
 
     @staticmethod
     def _entry(name: str, obj: Any) -> List[str]:
