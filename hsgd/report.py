@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ._trainer.plots import as_number, draw_accuracy, draw_loss, draw_time, new_figure, title
+from ._trainer.plots import as_number, comm_share, draw_accuracy, draw_loss, draw_time, new_figure, title
 from .errors import InputFileNotFoundError, InputValueError
 
 __all__ = ["Run", "load_run", "plot_run", "summary_table", "main"]
@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 _HOW_TO = "produce one with `python -m hsgd.train --run-dir DIR`"
-_COMM, _WORK = ("intra", "inter"), ("data", "compute")
 
 
 @dataclass
@@ -122,18 +121,6 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def _comm_share(time) -> Optional[float]:
-    """Percent of data + compute + intra + inter spent in intra + inter. A phase missing from the
-    record took no time (a run on one node has no ``inter``), as the trainer's progress line counts it."""
-    if not isinstance(time, dict):
-        return None
-    parts = {key: as_number(time.get(key, 0.0)) for key in _COMM + _WORK}
-    known = {key: value for key, value in parts.items() if value is not None}
-    if len(known) < len(parts) or sum(known.values()) <= 0:
-        return None
-    return 100.0 * sum(known[key] for key in _COMM) / sum(known.values())
-
-
 def _fmt(value, spec: str, scale: float = 1.0) -> str:
     """``value * scale`` formatted with ``spec``, or ``-`` when it is not a number."""
     number = as_number(value)
@@ -154,7 +141,7 @@ def summary_table(run: Run) -> str:
     rows = [[str(e["epoch"]), _fmt(e.get("train_loss"), ".4f"),
              _fmt(e.get("test_loss"), ".4f"), _fmt(e.get("test_acc"), ".2f", 100.0),
              *([_fmt(e.get("test_bpb"), ".4f")] if bpb else []),
-             _fmt(e.get("samples_per_s"), ",.0f"), _fmt(_comm_share(e.get("time")), ".1f"),
+             _fmt(e.get("samples_per_s"), ",.0f"), _fmt(comm_share(e.get("time")), ".1f"),
              _fmt(e.get("intra_bytes"), ",.1f", 1e-6), _fmt(e.get("inter_bytes"), ",.1f", 1e-6)]
             for e in run.epochs]
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]

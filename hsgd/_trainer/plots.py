@@ -24,6 +24,19 @@ def as_number(value) -> Optional[float]:
     return float(value) if ok else None
 
 
+def comm_share(time) -> Optional[float]:
+    """Percent of a record's ``time`` (data + compute + intra + inter) spent in intra + inter;
+    ``None`` when a value is not a number or nothing took time. A phase missing from the record
+    took no time (a run on one node has no ``inter``)."""
+    if not isinstance(time, dict):
+        return None
+    parts = {key: as_number(time.get(key, 0.0)) for key in ("data", "compute", "intra", "inter")}
+    known = {key: value for key, value in parts.items() if value is not None}
+    if len(known) < len(parts) or sum(known.values()) <= 0:
+        return None
+    return 100.0 * (known["intra"] + known["inter"]) / sum(known.values())
+
+
 def new_figure():
     """A matplotlib Figure on an Agg canvas (no pyplot, no display)."""
     try:

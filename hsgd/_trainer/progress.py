@@ -7,15 +7,11 @@ import sys
 from collections import Counter
 
 from .hooks import Hook
+from .plots import comm_share
 
 __all__ = ["Progress"]
 
 logger = logging.getLogger("hsgd.train")
-
-
-def _comm_share(times: dict) -> float:
-    busy = sum(times.get(k, 0.0) for k in ("data", "compute", "intra", "inter"))
-    return (times.get("intra", 0.0) + times.get("inter", 0.0)) / busy if busy else 0.0
 
 
 class Progress(Hook):
@@ -37,7 +33,7 @@ class Progress(Hook):
     def logged(self, record: dict) -> None:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}",
-                                 comm=f"{100 * _comm_share(record['time']):.0f}%", refresh=False)
+                                 comm=f"{comm_share(record['time']) or 0.0:.0f}%", refresh=False)
 
     def step_end(self, step: int, run_steps: int) -> None:
         if self.bar is not None:
@@ -53,7 +49,7 @@ class Progress(Hook):
                         "lr %.3g  %.0f samples/s  comm %.0f%%  %.1f s",
                         record["epoch"], record["train_loss"], 100 * record["train_acc"],
                         record["test_loss"], 100 * record["test_acc"], bpb, record["lr"],
-                        record["samples_per_s"], 100 * _comm_share(record["time"]), record["seconds"])
+                        record["samples_per_s"], comm_share(record["time"]) or 0.0, record["seconds"])
 
     def close(self) -> None:
         if self.bar is not None:
