@@ -7,6 +7,8 @@ script, run across emulated hosts (root):
         python scripts/concurrent_streams.py 16e6 9 shift
     python -m hsgd.hosts run --hosts 3 --ranks-per-host 1 --link 100mbit -- \
         python scripts/concurrent_streams.py 1.33e6 9 fan
+    python -m hsgd.hosts run --hosts 2 --ranks-per-host 2 --link 1gbit -- \
+        python scripts/concurrent_streams.py 16e6 15 header
 
 Arguments: BYTES (per stream), REPEATS (timed, after one untimed), MODE:
 
@@ -15,7 +17,12 @@ Arguments: BYTES (per stream), REPEATS (timed, after one untimed), MODE:
 - ``fan``: every rank sends BYTES to its counterpart on every other host at once
   (``Isend``/``Irecv``, ``Waitall``): k (N-1) streams each way on every link;
 - ``shiftp``, ``fanp``: the same, completed by ``Testall`` and 200 us sleeps instead of a
-  blocking wait (the ranks leave the cores to the TCP stack and to each other).
+  blocking wait (the ranks leave the cores to the TCP stack and to each other);
+- ``header``: the ``shift`` pairs in gossip's round before 2026-11-24 (h): a 16-byte header
+  each way first, the model's receive posted once the header is in (hsgd's polite wait);
+- ``framed``: the same pairs in gossip's round since: one message, the header in front of
+  the model, the send started before the receive (hsgd's polite wait); ``framedr``: the
+  receive first.
 
 Prints every repeat's slowest-rank time, the median, and each host's TCP counters (its network
 namespace's retransmissions and timeouts, from /proc/self/net).
@@ -27,6 +34,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from hsgd._core.waits import wait_all
+
 comm = MPI.COMM_WORLD
 node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
 k = node.size
@@ -34,8 +43,9 @@ N, h, local = comm.size // k, comm.rank // k, comm.rank % k
 S = int(float(sys.argv[1]))
 reps = int(sys.argv[2]) if len(sys.argv) > 2 else 7
 mode = sys.argv[3] if len(sys.argv) > 3 else "shift"
-send = np.ones(S, np.uint8)
-recv = [np.empty(S, np.uint8) for _ in range(max(1, N - 1))]
+send = np.ones(S + 16, np.uint8)  # framed: 16 bytes of header, then the model
+recv = [np.empty(S + 16, np.uint8) for _ in range(max(1, N - 1))]
+model, head = send[16:], send[:16]
 
 
 def peer(d):
@@ -46,7 +56,7 @@ def start(distances):
     requests = []
     for i, d in enumerate(distances):
         to, fro = peer(d)
-        requests += [comm.Isend(send, to, d), comm.Irecv(recv[i], fro, d)]
+        requests += [comm.Isend(model, to, d), comm.Irecv(recv[i][16:], fro, d)]
     return requests
 
 
@@ -58,15 +68,26 @@ def polite(requests):
 def run():
     if mode == "shift":
         to, fro = peer(1)
-        comm.Sendrecv(send, to, 0, recv[0], fro, 0)
+        comm.Sendrecv(model, to, 0, recv[0][16:], fro, 0)
     elif mode == "shiftp":
         polite(start([1]))
+    elif mode == "header":
+        to, fro = peer(1)
+        requests = [comm.Irecv(recv[0][:16], fro, 1), comm.Isend(head, to, 1), comm.Isend(model, to, 2)]
+        wait_all(requests[:1])
+        wait_all(requests + [comm.Irecv(recv[0][16:], fro, 2)])
+    elif mode == "framed":
+        to, fro = peer(1)
+        wait_all([comm.Isend(send, to, 1), comm.Irecv(recv[0], fro, 1)])
+    elif mode == "framedr":
+        to, fro = peer(1)
+        wait_all([comm.Irecv(recv[0], fro, 1), comm.Isend(send, to, 1)])
     elif mode == "fan":
         MPI.Request.Waitall(start(range(1, N)))
     elif mode == "fanp":
         polite(start(range(1, N)))
     else:
-        raise SystemExit(f"unknown mode {mode!r}: shift, shiftp, fan or fanp")
+        raise SystemExit(f"unknown mode {mode!r}: shift, shiftp, fan, fanp, header, framed or framedr")
 
 
 def tcp_counters():

@@ -73,16 +73,21 @@ class FlatSlot:
 
     All of ``params`` must share one dtype, float32 or float64; else ``who``
     (the mode) raises an agreed ``InputTypeError`` (the dtypes match on every rank).
+
+    With ``header_bytes`` the buffer is the tail of a ``frame`` that starts with that many
+    bytes (a multiple of 8) of the mode's own: a message can carry both in one piece.
     """
 
-    def __init__(self, params, who: str):
+    def __init__(self, params, who: str, header_bytes: int = 0):
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float64):
             raise collective_error(InputTypeError, f"{who} needs all trainable parameters in one of "
                                    f"float32 or float64, got {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
         offsets = np.cumsum([0] + [p.numel() for p in params])
-        self.buffer = torch.zeros(int(offsets[-1]), dtype=self.dtype)
+        self.header = header_bytes // self.dtype.itemsize  # elements before the buffer
+        self.frame = torch.zeros(self.header + int(offsets[-1]), dtype=self.dtype)
+        self.buffer = self.frame[self.header:]
         self.layout = SimpleNamespace(places=[(0, int(o)) for o in offsets[:-1]], dtypes=[self.dtype])
 
     def own(self, segment: int) -> torch.Tensor:

@@ -21,7 +21,8 @@ it has a peer: the schedule says whom each rank hears from, so a receiver
 waits for one small message from a peer that is, by construction, in the
 same round, never for a sender's decision, and no deadlock is possible.
 
-Messages are MPI point-to-point (``Isend``/``Irecv``), waited for without
+The header and the model travel as one message (:mod:`hsgd.gossip.transport`
+says why). Messages are MPI point-to-point (``Isend``/``Irecv``), waited for without
 holding the core (:func:`hsgd._core.waits.wait_all`: ranks that share cores
 with each other or with the TCP stack would otherwise take the cycles the
 transfer needs); between ranks on one node MPICH and Open MPI carry them

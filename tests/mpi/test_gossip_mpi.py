@@ -16,12 +16,12 @@ from hsgd import GossipSGD, InputValueError
 from hsgd.gossip.graphs import GRAPHS, make_graph
 
 
-def model_on(rank, seed=0):
+def model_on(rank, seed=0, dtype=torch.float64):
     torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 2).to(torch.float64)
+    model = torch.nn.Linear(4, 2).to(dtype)
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
-            p.copy_(torch.arange(p.numel(), dtype=torch.float64).view(p.shape) * (rank + 1) + i)
+            p.copy_(torch.arange(p.numel(), dtype=dtype).view(p.shape) * (rank + 1) + i)
     return model
 
 
@@ -64,14 +64,14 @@ def simulate(graph, x0, lr, theta, steps):
     return x, w, sends
 
 
-def run(comm, graph, theta, steps, lr=0.5):
+def run(comm, graph, theta, steps, lr=0.5, dtype=torch.float64):
     rank = comm.Get_rank()
-    model = model_on(rank)
+    model = model_on(rank, dtype=dtype)
     opt = GossipSGD(torch.optim.SGD(model.parameters(), lr=lr), model, graph=graph, theta=theta,
                     broadcast=False)
     for t in range(steps):
         for p, g in zip(model.parameters(), np.split(gradient(rank, t, 10), [8])):
-            p.grad = torch.from_numpy(g).view(p.shape).clone()
+            p.grad = torch.from_numpy(g).view(p.shape).to(dtype)
         opt.step()
     return model, opt
 
@@ -90,6 +90,22 @@ def test_models_follow_the_push_sum_simulation(comm, graph, theta):
     assert opt.sends == sends[rank]
     if theta == 0.3 and size > 1:
         assert 0 < sum(sends) < steps * size  # some rounds sent, some did not
+    comm.Barrier()
+    opt.close()
+
+
+@pytest.mark.parametrize("theta", [0.0, 0.3])
+def test_float32_models_follow_the_simulation(comm, theta):
+    """A float32 model travels in the same message as its float64 header (the weight share):
+    the models follow the float64 simulation to float32's precision, the weights exactly."""
+    rank, size, steps = comm.Get_rank(), comm.Get_size(), 12
+    model, opt = run(comm, "exponential", theta, steps, dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    x0 = [flat(model_on(r)).numpy() for r in range(size)]
+    want, weights, sends = simulate(make_graph("exponential", size), x0, 0.5, theta, steps)
+    assert np.allclose(flat(model).double().numpy(), want[rank], rtol=1e-5, atol=1e-5)
+    assert opt.weight == pytest.approx(weights[rank], abs=1e-12)
+    assert opt.sends == sends[rank]
     comm.Barrier()
     opt.close()
 
