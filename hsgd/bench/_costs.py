@@ -14,7 +14,13 @@ a :class:`Machine`:
   between slots (bytes as :mod:`hsgd._core.traffic` counts ``intra_bytes``);
 - optional caps: ``S``, what one rank can drive through the NIC
   (``stream_bandwidth``, default ``B``), and ``M``, the node's memory
-  bandwidth shared by its ``k`` ranks in level 1 (default: no cap).
+  bandwidth shared by its ``k`` ranks in level 1 (default: no cap);
+- ``eta`` (``fan_efficiency``, default 1): the fraction of ``B`` a node's
+  link delivers when streams from several nodes meet at it (every node
+  sending to several others at once: an all-to-all; TCP streams from
+  different senders share a link unevenly). ``python -m hsgd.bench model
+  --hosts N`` (N >= 3) measures it with a bare MPI exchange between the
+  hosts, not fitted to the strategies.
 
 A NIC carrying ``s`` streams at once gives each ``min(S, B / s)``; a
 message between two ranks of one node costs ``alpha_m + bytes / B_m``
@@ -31,14 +37,18 @@ while the on-node hops run beside it), ``alpha_m + b / B_m`` on one node::
                 # F = 2 on one node (the fused node mean), 4 across nodes
                 # (reduce to slot 0, then spread back); bytes as traffic.py counts
     flat ring = 2 (p-1) hop(nbytes / p)
-    leader    = level1 + ring(nbytes, N, min(S, B))
-    sharded   = level1 + ring(nbytes / k, N, min(S, B / k))   # k rings share the NIC
+    leader    = level1 + sum(nbytes, N, min(S, B))
+    sharded   = level1 + sum(nbytes / k, N, min(S, B / k))   # k sums share the NIC
+    sum(b, P, r) = ring(b, P, r), but for P > 2 not a power of two (hsgd's
+                # all-to-all reduce-scatter, then an allgather: hsgd._transport.sums)
+                # the reduce-scatter's (P-1)/P b move at eta r
     gossip    = mean over the K = ceil(log2 p) rounds of the exponential graph of
                 alpha + rate * nbytes / min(S, B / s_j),
                 s_j = min(2^j, k) ranks per node talk off-node in round j,
                 or alpha_m + rate * nbytes / B_m where no rank leaves the node
                 (the larger of the two when both happen)
-    box       = 2 (N c alpha + k (N-1)/N nbytes / min(S, B))  # alpha_m, B_m on one node
+    box       = 2 (N c alpha + k (N-1)/N nbytes / (e min(S, B)))  # alpha_m, B_m on one node
+                # e = eta from 3 nodes on (each node's ranks talk to N-1 owners), else 1
                 # AsyncSGD: accumulate, then read, the whole model; N owners (the
                 # leaders) each hold nbytes/N in c = ceil(nbytes / N / 1 MiB) chunks;
                 # out of a NIC go its k ranks' accumulates into the N-1 other owners
@@ -53,7 +63,7 @@ where one rank cannot fill the NIC (``stream_bandwidth < bandwidth``).
 (the 16-byte header). ElasticSGD with ``tau > 1`` costs ``box / tau``.
 
 What it ignores: contention beyond the NIC (switches, oversubscribed
-fabrics, congestion), overlap of communication with computation, MPI's
+fabrics, congestion) other than ``eta``'s, overlap of communication with computation, MPI's
 protocol and algorithm switches (eager vs rendezvous; recursive doubling
 or Rabenseifner with ``2 log2 p`` latency terms instead of the ring's
 ``2 (p-1)``: the flat ring's latency is an upper bound at large ``p``),
@@ -75,7 +85,7 @@ from typing import Callable, Dict, Optional
 
 from .._core.traffic import allreduce_bytes
 
-__all__ = ["Machine", "STRATEGIES", "ring", "level1", "flat_ring", "leader", "sharded", "gossip", "box",
+__all__ = ["Machine", "STRATEGIES", "ring", "allreduce", "level1", "flat_ring", "leader", "sharded", "gossip", "box",
            "predict", "bytes_per_rank", "BOX_CHUNK_BYTES"]
 
 #: RemoteMemory's transfer chunk (``hsgd.remote.memory.DEFAULT_CHUNK_BYTES``, which imports MPI:
@@ -96,6 +106,7 @@ class Machine:
     stream_bandwidth: Optional[float] = None  #: S: what one rank can drive (None: B)
     memory_bandwidth: Optional[float] = None  #: M: a node's memory, shared in level 1 (None: no cap)
     gossip_rate: float = 1.0                  #: fraction of gossip rounds in which a rank sends
+    fan_efficiency: float = 1.0               #: eta: B's fraction where several nodes' streams meet
 
     def stream(self, streams: int = 1) -> float:
         """Bytes per second of each of ``streams`` ranks sending through one NIC at once."""
@@ -129,6 +140,16 @@ def ring(nbytes: float, parties: int, rate: float, latency: float) -> float:
     return 2 * (parties - 1) * latency + 2 * (parties - 1) / parties * nbytes / rate
 
 
+def allreduce(nbytes: float, parties: int, rate: float, latency: float, fan: float = 1.0) -> float:
+    """Seconds of hsgd's level-2 sum (:mod:`hsgd._transport.sums`) of ``nbytes`` among ``parties``:
+    :func:`ring`'s, but for more than two parties, not a power of two, the reduce-scatter is an
+    all-to-all whose bytes move at ``fan`` of ``rate``."""
+    if parties <= 2 or parties & (parties - 1) == 0:
+        return ring(nbytes, parties, rate, latency)
+    half = (parties - 1) / parties * nbytes / rate
+    return 2 * (parties - 1) * latency + half / fan + half
+
+
 def level1(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> float:
     """hsgd's level 1: the fences and the slot-to-slot copies of one average."""
     k = ranks_per_node
@@ -154,14 +175,14 @@ def flat_ring(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) 
 def leader(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> float:
     """hsgd's ``inter_node="leader"``: level 1, then the leaders allreduce the whole buffer."""
     return (level1(nbytes, nodes, ranks_per_node, machine)
-            + ring(nbytes, nodes, machine.stream(1), machine.latency))
+            + allreduce(nbytes, nodes, machine.stream(1), machine.latency, machine.fan_efficiency))
 
 
 def sharded(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> float:
     """hsgd's ``inter_node="sharded"``: level 1, then ``k`` concurrent rings of ``nbytes / k``."""
     k = ranks_per_node
     return (level1(nbytes, nodes, k, machine)
-            + ring(nbytes / k, nodes, machine.stream(k), machine.latency))
+            + allreduce(nbytes / k, nodes, machine.stream(k), machine.latency, machine.fan_efficiency))
 
 
 def gossip(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> float:
@@ -186,7 +207,8 @@ def box(nbytes: float, nodes: int, ranks_per_node: int, machine: Machine) -> flo
     chunks = nodes * math.ceil(nbytes / nodes / BOX_CHUNK_BYTES)
     if nodes == 1:  # one owner, reached through MPI's shared-memory transport
         return 2 * (chunks * machine.local_alpha + k * nbytes / machine.local_rate)
-    return 2 * (chunks * machine.latency + k * (nodes - 1) / nodes * nbytes / machine.stream(1))
+    fan = machine.fan_efficiency if nodes > 2 else 1.0
+    return 2 * (chunks * machine.latency + k * (nodes - 1) / nodes * nbytes / (fan * machine.stream(1)))
 
 
 #: name -> cost function ``(nbytes, nodes, ranks_per_node, machine) -> seconds``, in table order.

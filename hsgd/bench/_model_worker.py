@@ -11,7 +11,8 @@ repeat's time (the slowest rank's) and hsgd's traffic per average:
   :data:`VALIDATION` (nodes x ranks per node, virtual nodes where nodes > 1);
 - across emulated hosts (``--job hosts``, the hosts are the nodes,
   :func:`_hosts_worker`): the network, a ``Sendrecv`` ring between the hosts'
-  first ranks at :data:`CALIBRATION_SIZES`, then (``--validate``) every
+  first ranks at :data:`CALIBRATION_SIZES` and, from 3 hosts on, a fan (each
+  sends to all others at once, :func:`_fan_times`), then (``--validate``) every
   strategy on N hosts x 1 (those ranks) and N hosts x k (all): a ring
   allreduce of ``Sendrecv``s (the model's flat ring) beside ``MPI
   Allreduce``, ``leader``, ``sharded``, a :class:`hsgd.GossipSGD` step and
@@ -165,6 +166,25 @@ def _box_times(comm, n, args):
     return times
 
 
+def _fan_times(comm, n, args) -> dict:
+    """Every repeat's slowest-rank seconds of every rank sending ``n`` float32 to every other rank
+    at once and receiving as much from each (sends started first, then the receives, waited for
+    politely, as gossip's round): ``(p-1) n`` floats each way on every rank's link, streams from
+    ``p-1`` senders meeting at each. Collective."""
+    from hsgd._core.waits import wait_all
+
+    from .allreduce import _timed
+
+    p, rank = comm.Get_size(), comm.Get_rank()
+    send, recv = np.ones(n, np.float32), [np.empty(n, np.float32) for _ in range(p - 1)]
+
+    def fan():
+        requests = [comm.Isend(send, (rank + d) % p, d) for d in range(1, p)]
+        requests += [comm.Irecv(recv[d - 1], (rank - d) % p, d) for d in range(1, p)]
+        wait_all(requests)
+    return {"bytes_per_link": 4 * n * (p - 1), "times": _timed(comm, fan, args)}
+
+
 def _wait_idle(comm, poll: float = 1e-3) -> None:
     """A barrier that sleeps between tests instead of spinning (4 ranks share 2 cores here)."""
     import time
@@ -195,6 +215,8 @@ def _hosts_worker(comm, args):
             times.append(_timed(leaders, lambda s=send, r=recv, to=right, fro=left: leaders.Sendrecv(
                 s, to, 0, r, fro, 0), args))
         out["network"] = {"sizes": list(CALIBRATION_SIZES), "times": times}
+        if nodes > 2:  # several senders meet at every link: the many-to-many efficiency
+            out["network"]["fan"] = _fan_times(leaders, CALIBRATION_SIZES[-1] // (nodes - 1), args)
         for n in (_validate_numels(args) if args.validate else ()):
             out["validation"].append(_measure(leaders, n, nodes, 1, args, HOST_MEASURED, ring=True))
         leaders.Free()

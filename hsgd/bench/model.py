@@ -39,8 +39,13 @@ host the same count; root only) the network is measured, not given: in one
 job across the hosts, every host's first rank sends ``--validate-sizes``'s
 calibration buffers (4 KiB and 16 MiB) to the next host's and receives from
 the previous one's at once (``Sendrecv``: one stream each way on every
-link), and ``t = alpha + bytes / B`` is fitted to the medians. That
-``alpha`` and ``B`` are the network of the grid table (``--latency`` and
+link), and ``t = alpha + bytes / B`` is fitted to the medians. From 3
+hosts on, the first ranks then each send 16 MiB / (N-1) to every other one
+at once (streams from N-1 senders meet at every link, as in the box and the
+all-to-all of hsgd's sums for node counts that are not powers of two); that
+exchange's time at ``alpha`` and ``B`` over its median is ``eta``
+(``--fan-efficiency`` otherwise, default 1). That ``alpha``, ``B`` and
+``eta`` are the network of the grid table (``--latency`` and
 ``--bandwidth`` then only say what the grid would be without measuring), and
 the table of parameters gives ``B`` as a fraction of the link's rate. With
 ``--validate`` the same job then measures every strategy on N hosts x 1
@@ -106,6 +111,9 @@ def add_arguments(p) -> None:
                    help="bytes/s one rank can drive through the NIC (default: --bandwidth)")
     p.add_argument("--memory-bandwidth", type=positive_float, default=None,
                    help="a node's memory bandwidth, bytes/s, shared by its ranks in level 1 (default: no cap)")
+    p.add_argument("--fan-efficiency", type=_fraction, default=1.0,
+                   help="fraction of the bandwidth a node's link delivers where several nodes' streams meet "
+                        "at it (all-to-all); 1 (with --hosts 3 or more: measured across them)")
     p.add_argument("--gossip-rate", type=_fraction, default=1.0,
                    help="fraction of gossip rounds in which a rank sends its model (1: every step)")
     p.add_argument("--intra-latency", type=non_negative_float, default=None,
@@ -217,10 +225,14 @@ def _fit_here(calibration) -> dict:
 
 def _fit_network(calibration, args) -> dict:
     """``alpha`` and ``B`` of the links between the emulated hosts (one stream each way per link),
-    and ``B`` as a fraction of the slowest link's rate."""
+    ``B`` as a fraction of the slowest link's rate, and (3 hosts or more) ``eta``: what the fan's
+    median took at ``alpha`` and ``B``, over what it took (at most 1)."""
     latency, bandwidth = _fit([4 * n for n in calibration["sizes"]], calibration["times"])
     rate = min(link_rates(args), key=lambda r: float("inf") if r is None else r)
-    return {"latency": latency, "bandwidth": bandwidth, "link_bytes_per_s": None if rate is None else rate / 8}
+    fan = calibration.get("fan")
+    eta = None if fan is None else min(1.0, (latency + fan["bytes_per_link"] / bandwidth) / median(fan["times"]))
+    return {"latency": latency, "bandwidth": bandwidth, "link_bytes_per_s": None if rate is None else rate / 8,
+            "fan_efficiency": eta}
 
 
 def _machine(args, here, network=None) -> _costs.Machine:
@@ -229,9 +241,10 @@ def _machine(args, here, network=None) -> _costs.Machine:
     node = {key: here[key] if getattr(args, key) is None else getattr(args, key) for key in HERE}
     latency, bandwidth = (args.latency, args.bandwidth) if network is None else (
         network["latency"], network["bandwidth"])
+    fan = args.fan_efficiency if network is None or network["fan_efficiency"] is None else network["fan_efficiency"]
     return _costs.Machine(latency=latency, bandwidth=bandwidth, **node,
                           stream_bandwidth=args.stream_bandwidth, memory_bandwidth=args.memory_bandwidth,
-                          gossip_rate=args.gossip_rate)
+                          gossip_rate=args.gossip_rate, fan_efficiency=fan)
 
 
 def _this_machine(here) -> _costs.Machine:
@@ -304,6 +317,12 @@ def _machine_table(args, machine, here, network) -> Table:
         share = "" if link is None else f" ({network['bandwidth'] / link:.0%} of the link's {_rate(link)})"
         rows = [["network latency", f"{machine.latency * 1e6:.1f} us", fit],
                 ["network bandwidth per node", _rate(machine.bandwidth) + share, fit]]
+    if network is None or network["fan_efficiency"] is None:
+        rows.append(["many-to-many efficiency (eta)", f"{machine.fan_efficiency:.0%}", "--fan-efficiency"])
+    else:
+        rows.append(["many-to-many efficiency (eta)", f"{machine.fan_efficiency:.0%}",
+                     f"fit across {args.hosts} emulated hosts: every first rank sends 16 MiB / {args.hosts - 1} "
+                     f"to each other one at once, against the time at the latency and bandwidth above"])
     for key, name, unit, fit in (
             ("intra_latency", "level-1 fence latency, per barrier round", "us", level1),
             ("intra_bandwidth", "level-1 copy bandwidth, per rank", "GB/s", level1),

@@ -165,3 +165,19 @@ def test_the_benchmarks_run_across_hosts(emulated_hosts, name, options, header):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert header in proc.stdout.splitlines(), proc.stdout
     assert "2 emulated hosts (1+1 ranks, links 1gbit, TCP)" in proc.stdout + proc.stderr
+
+
+def test_the_model_measures_the_many_to_many_efficiency_from_three_hosts(emulated_hosts):
+    """From 3 hosts on, ``bench model --hosts`` fits ``eta`` (a fan exchange between the hosts) and
+    validates with it (no timing asserted)."""
+    emulated_hosts()
+    proc = subprocess.run([sys.executable, "-m", "hsgd.bench", "model", "--validate", "--validate-sizes", "64",
+                           "--params", "1e3", "--nodes", "3", "--ranks-per-node", "1", "--repeats", "1",
+                           "--warmup", "0", "--hosts", "3", "--ranks-per-host", "1", "--link", "1gbit"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=mpi_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    eta = [line for line in proc.stdout.splitlines() if line.startswith("| many-to-many efficiency (eta) |")]
+    assert len(eta) == 1 and "fit across 3 emulated hosts: every first rank sends 16 MiB / 2" in eta[0], proc.stdout
+    value = float(eta[0].split("|")[2].strip().rstrip("%"))
+    assert 0 < value <= 100
+    assert "| 3 x 1 | 64 | box |" in proc.stdout, proc.stdout

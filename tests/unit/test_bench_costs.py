@@ -69,3 +69,21 @@ def test_the_model_knows_hsgds_chunk():
     from hsgd.inter_node import CHUNK_BYTES
 
     assert model.CHUNK_BYTES == CHUNK_BYTES
+
+
+def test_the_many_to_many_efficiency_slows_only_the_all_to_all_parts():
+    """eta divides the rate of what several nodes send to each other at once: the box from 3 nodes
+    on, and the reduce-scatter half of hsgd's sum for a node count > 2 that is not a power of two."""
+    fan = _costs.Machine(**{**M.as_dict(), "fan_efficiency": 0.5})
+    for nodes in (2, 4, 8):  # MPI_Allreduce (pairwise) and one peer node for the box: eta plays no part
+        assert _costs.leader(N_BYTES, nodes, 2, fan) == pytest.approx(_costs.leader(N_BYTES, nodes, 2, M))
+        assert _costs.sharded(N_BYTES, nodes, 2, fan) == pytest.approx(_costs.sharded(N_BYTES, nodes, 2, M))
+    assert _costs.box(N_BYTES, 2, 2, fan) == pytest.approx(_costs.box(N_BYTES, 2, 2, M))
+    half = 2 / 3 * N_BYTES / M.bandwidth  # 3 nodes: the reduce-scatter's bytes, at eta = 1
+    assert _costs.allreduce(N_BYTES, 3, M.bandwidth, M.latency, 0.5) == pytest.approx(
+        _costs.ring(N_BYTES, 3, M.bandwidth, M.latency) + half)
+    assert _costs.leader(N_BYTES, 3, 2, fan) - _costs.leader(N_BYTES, 3, 2, M) == pytest.approx(half)
+    link = 2 * 2 * 2 / 3 * N_BYTES / M.bandwidth  # the box's two phases at 3 nodes x 2, at eta = 1
+    assert _costs.box(N_BYTES, 3, 2, fan) - _costs.box(N_BYTES, 3, 2, M) == pytest.approx(link)
+    for name in ("flat ring", "gossip"):  # one peer node per rank and round
+        assert _costs.STRATEGIES[name](N_BYTES, 3, 2, fan) == _costs.STRATEGIES[name](N_BYTES, 3, 2, M)
