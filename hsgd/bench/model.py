@@ -111,10 +111,10 @@ def add_arguments(p) -> None:
                    help="bytes/s one rank can drive through the NIC (default: --bandwidth)")
     p.add_argument("--memory-bandwidth", type=positive_float, default=None,
                    help="a node's memory bandwidth, bytes/s, shared by its ranks in level 1 (default: no cap)")
-    p.add_argument("--fan-efficiency", type=_fraction, default=1.0,
+    p.add_argument("--fan-efficiency", type=_fraction("the link's bandwidth"), default=1.0,
                    help="fraction of the bandwidth a node's link delivers where several nodes' streams meet "
                         "at it (all-to-all); 1 (with --hosts 3 or more: measured across them)")
-    p.add_argument("--gossip-rate", type=_fraction, default=1.0,
+    p.add_argument("--gossip-rate", type=_fraction("the rounds"), default=1.0,
                    help="fraction of gossip rounds in which a rank sends its model (1: every step)")
     p.add_argument("--intra-latency", type=non_negative_float, default=None,
                    help="latency of one round of a level-1 fence, s (default: measured here)")
@@ -135,11 +135,14 @@ def add_arguments(p) -> None:
     p.add_argument("--job", dest="_job", choices=["here", "hosts"], default="here", help=argparse.SUPPRESS)
 
 
-def _fraction(text: str) -> float:
-    value = positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"{text} is a fraction of the rounds: use a number in (0, 1]")
-    return value
+def _fraction(of: str):
+    """An argparse type: a number in (0, 1], a fraction ``of`` something."""
+    def parse(text: str) -> float:
+        value = positive_float(text)
+        if value > 1:
+            raise argparse.ArgumentTypeError(f"{text} is a fraction of {of}: use a number in (0, 1]")
+        return value
+    return parse
 
 
 def check(args, extra, parser) -> None:

@@ -145,6 +145,7 @@ def test_model_predicts_without_measuring_and_draws(tmp_path):
     (["lars", "--runs", "sgd-512"], "argument --runs: invalid choice: 'sgd-512'"),
     (["lars", "--epochs-4096", "5", "--lars-warmup", "5"], "argument --lars-warmup: 5 warm-up epochs do not fit"),
     (["model", "--gossip-rate", "2"], "argument --gossip-rate: 2 is a fraction of the rounds"),
+    (["model", "--fan-efficiency", "1.5"], "argument --fan-efficiency: 1.5 is a fraction of the link's bandwidth"),
     (["train", "--period", "3"], "argument --period: 3 is odd"),
     (["stall", "--hosts", "2", "--link", "fast"], "argument --link: invalid link rate 'fast'"),
     (["box", "--hosts", "3", "--ranks-per-host", "1,2"], "argument --ranks-per-host: 2 values for 3 hosts"),

@@ -71,7 +71,7 @@ def run(comm, graph, theta, steps, lr=0.5, dtype=torch.float64):
                     broadcast=False)
     for t in range(steps):
         for p, g in zip(model.parameters(), np.split(gradient(rank, t, 10), [8])):
-            p.grad = torch.from_numpy(g).view(p.shape).to(dtype)
+            p.grad = torch.from_numpy(g).view(p.shape).to(dtype, copy=True)
         opt.step()
     return model, opt
 
