@@ -18,6 +18,8 @@ Arguments: BYTES (per stream), REPEATS (timed, after one untimed), MODE:
   (``Isend``/``Irecv``, ``Waitall``): k (N-1) streams each way on every link;
 - ``shiftp``, ``fanp``: the same, completed by ``Testall`` and 200 us sleeps instead of a
   blocking wait (the ranks leave the cores to the TCP stack and to each other);
+- ``fans``: ``fan`` with every send started before any receive, hsgd's polite wait (what
+  ``python -m hsgd.bench model --hosts N`` times for the model's ``eta``);
 - ``header``: the ``shift`` pairs in gossip's round before 2026-11-24 (h): a 16-byte header
   each way first, the model's receive posted once the header is in (hsgd's polite wait);
 - ``framed``: the same pairs in gossip's round since: one message, the header in front of
@@ -84,10 +86,13 @@ def run():
         wait_all([comm.Irecv(recv[0], fro, 1), comm.Isend(send, to, 1)])
     elif mode == "fan":
         MPI.Request.Waitall(start(range(1, N)))
+    elif mode == "fans":
+        outs = [comm.Isend(model, peer(d)[0], d) for d in range(1, N)]
+        wait_all(outs + [comm.Irecv(recv[d - 1][16:], peer(d)[1], d) for d in range(1, N)])
     elif mode == "fanp":
         polite(start(range(1, N)))
     else:
-        raise SystemExit(f"unknown mode {mode!r}: shift, shiftp, fan, fanp, header, framed or framedr")
+        raise SystemExit(f"unknown mode {mode!r}: shift, shiftp, fan, fanp, fans, header, framed or framedr")
 
 
 def tcp_counters():

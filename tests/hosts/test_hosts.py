@@ -152,10 +152,7 @@ def test_the_command_runs_a_job_and_reports_the_links(emulated_hosts):
      "| run | intra MB | inter MB | traffic vs every-step gossip | wall s | train s "
      "| train time vs every-step gossip | final test acc | best test acc | MB on the busiest link "
      "| wire limit s | of the wire limit |"),
-    ("model", ["--validate", "--validate-sizes", "64", "--params", "1e3", "--nodes", "1", "4096",
-               "--ranks-per-node", "1", "--repeats", "1", "--warmup", "0"],
-     "| nodes x ranks/node | floats | strategy | predicted ms | measured ms | error | bytes as modelled |"),
-])
+])  # model: test_the_model_measures_the_many_to_many_efficiency_from_three_hosts
 def test_the_benchmarks_run_across_hosts(emulated_hosts, name, options, header):
     """``python -m hsgd.bench SUBCOMMAND --hosts 2``, as a user runs it (no timing asserted)."""
     emulated_hosts()  # the capability check
@@ -168,12 +165,13 @@ def test_the_benchmarks_run_across_hosts(emulated_hosts, name, options, header):
 
 
 def test_the_model_measures_the_many_to_many_efficiency_from_three_hosts(emulated_hosts):
-    """From 3 hosts on, ``bench model --hosts`` fits ``eta`` (a fan exchange between the hosts) and
-    validates with it (no timing asserted)."""
+    """``python -m hsgd.bench model --hosts 3`` as a user runs it: from 3 hosts on it fits ``eta``
+    (a fan exchange between the hosts) and validates with it (no timing asserted)."""
     emulated_hosts()
     proc = subprocess.run([sys.executable, "-m", "hsgd.bench", "model", "--validate", "--validate-sizes", "64",
                            "--params", "1e3", "--nodes", "3", "--ranks-per-node", "1", "--repeats", "1",
-                           "--warmup", "0", "--hosts", "3", "--ranks-per-host", "1", "--link", "1gbit"],
+                           "--warmup", "0", "--hosts", "3", "--ranks-per-host", "1", "--link", "1gbit",
+                           "--progress", "lines"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=mpi_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     eta = [line for line in proc.stdout.splitlines() if line.startswith("| many-to-many efficiency (eta) |")]
@@ -181,3 +179,6 @@ def test_the_model_measures_the_many_to_many_efficiency_from_three_hosts(emulate
     value = float(eta[0].split("|")[2].strip().rstrip("%"))
     assert 0 < value <= 100
     assert "| 3 x 1 | 64 | box |" in proc.stdout, proc.stdout
+    assert ("| nodes x ranks/node | floats | strategy | predicted ms | measured ms | error | bytes as modelled |"
+            in proc.stdout.splitlines()), proc.stdout
+    assert "3 emulated hosts (1+1+1 ranks, links 1gbit, TCP)" in proc.stdout + proc.stderr
