@@ -23,12 +23,19 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["Traffic", "allreduce_bytes"]
+__all__ = ["Traffic", "allreduce_bytes", "sum_splits"]
 
 
 def allreduce_bytes(nbytes: int, parties: int) -> int:
     """Bytes each of ``parties`` sends in a bandwidth-optimal allreduce of ``nbytes``."""
     return 2 * (parties - 1) * nbytes // parties if parties > 1 else 0
+
+
+def sum_splits(parties: int) -> bool:
+    """Whether hsgd's level-2 sum among ``parties`` goes as an all-to-all reduce-scatter and an
+    allgather (:mod:`hsgd._transport.sums`): more than two parties, not a power of two (where
+    ``MPI_Allreduce`` is bandwidth-optimal itself). Free of MPI, for the cost model too."""
+    return parties > 2 and parties & (parties - 1) != 0
 
 
 class Traffic:

@@ -36,14 +36,15 @@ from typing import Callable, List, Optional
 import numpy as np
 from mpi4py import MPI
 
+from .._core.traffic import sum_splits
+
 __all__ = ["splits", "sum_", "start_sum"]
 
 
 def splits(comm) -> bool:
-    """Whether sums over ``comm`` go as reduce-scatter + allgather: more than two parties, not a
-    power of two (where ``MPI_Allreduce`` is bandwidth-optimal itself)."""
-    p = comm.Get_size()
-    return p > 2 and p & (p - 1) != 0
+    """Whether sums over ``comm`` go as reduce-scatter + allgather
+    (:func:`hsgd._core.traffic.sum_splits` of its size)."""
+    return sum_splits(comm.Get_size())
 
 
 def _blocks(comm, array: np.ndarray):

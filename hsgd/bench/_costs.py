@@ -63,10 +63,11 @@ where one rank cannot fill the NIC (``stream_bandwidth < bandwidth``).
 (the 16-byte header). ElasticSGD with ``tau > 1`` costs ``box / tau``.
 
 What it ignores: contention beyond the NIC (switches, oversubscribed
-fabrics, congestion) other than ``eta``'s, overlap of communication with computation, MPI's
-protocol and algorithm switches (eager vs rendezvous; recursive doubling
-or Rabenseifner with ``2 log2 p`` latency terms instead of the ring's
-``2 (p-1)``: the flat ring's latency is an upper bound at large ``p``),
+fabrics, congestion) other than ``eta``'s, overlap of communication with
+computation, MPI's protocol and algorithm switches (eager vs rendezvous;
+recursive doubling or Rabenseifner with ``2 log2 p`` latency terms instead
+of the ring's ``2 (p-1)``: the flat ring's latency is an upper bound at
+large ``p``),
 compute of the sums and of the scaling, operating-system noise, and
 oversubscribed cores (the validation here runs 4 ranks on 2 cores).
 
@@ -83,7 +84,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Optional
 
-from .._core.traffic import allreduce_bytes
+from .._core.traffic import allreduce_bytes, sum_splits
 
 __all__ = ["Machine", "STRATEGIES", "ring", "allreduce", "level1", "flat_ring", "leader", "sharded", "gossip", "box",
            "predict", "bytes_per_rank", "BOX_CHUNK_BYTES"]
@@ -144,7 +145,7 @@ def allreduce(nbytes: float, parties: int, rate: float, latency: float, fan: flo
     """Seconds of hsgd's level-2 sum (:mod:`hsgd._transport.sums`) of ``nbytes`` among ``parties``:
     :func:`ring`'s, but for more than two parties, not a power of two, the reduce-scatter is an
     all-to-all whose bytes move at ``fan`` of ``rate``."""
-    if parties <= 2 or parties & (parties - 1) == 0:
+    if not sum_splits(parties):
         return ring(nbytes, parties, rate, latency)
     half = (parties - 1) / parties * nbytes / rate
     return 2 * (parties - 1) * latency + half / fan + half
