@@ -7,7 +7,7 @@ nothing in ``/dev/shm`` or its temporary directory. ``-m mpi4py`` turns an
 uncaught exception on one rank into ``MPI_Abort`` so the others cannot hang.
 
 ``HSGD_MPI_TEST_SIZES`` (comma-separated, default ``1,2,3,4,5``) picks the
-sizes; ``.ci/run`` uses it for the second run under Open MPI.
+sizes; ``.ci/run`` runs 1 and 5 (and 2 again at the oldest torch).
 """
 
 import os

@@ -5,7 +5,7 @@ mpi4py -m pytest tests/mpi`` as under ``tests/e2e/test_mpi_driver.py``; the
 tests there take their expectations from the hosts they find (host names),
 so "physical nodes" are the hosts here. The links must have carried the
 suite's inter-node traffic. ``HSGD_HOSTS_LAYOUTS`` (comma-separated, default
-``2+2,2+1``) picks the layouts; ``.ci/run`` uses it for the Open MPI pass.
+``2+2,2+1``) picks the layouts; ``.ci/run`` runs 2 + 2 under MPICH and 2 + 1 under Open MPI.
 """
 
 import os

@@ -21,3 +21,27 @@ def test_every_source_folder_of_hsgd_is_a_package_the_wheel_includes():
 def test_the_package_ships_its_type_marker():
     assert (ROOT / "hsgd" / "py.typed").is_file()
     assert "py.typed" in (ROOT / "setup.cfg").read_text()
+
+
+def _pins(path):
+    """``name==version`` lines of a constraints file, as {name: version}."""
+    lines = (ROOT / path).read_text().splitlines()
+    return dict(line.split("==") for line in lines if "==" in line and not line.startswith("#"))
+
+
+def _floors():
+    """``name>=version`` lines of setup.cfg's install_requires, as {name: version}."""
+    text = (ROOT / "setup.cfg").read_text()
+    requires = text.split("install_requires =", 1)[1].split("\n\n", 1)[0]
+    return dict(line.strip().split(">=") for line in requires.splitlines() if ">=" in line)
+
+
+def test_the_torch_and_numpy_floors_are_the_versions_ci_runs():
+    """setup.cfg's floors are what constraints-floor.txt pins (CI's floor check runs those); the
+    development pin in constraints.txt is at or above them."""
+    floors, pins = _floors(), _pins("constraints-floor.txt")
+    assert floors["torch"] == pins["torch"] and floors["numpy"] == pins["numpy"], (floors, pins)
+
+    def version(text):
+        return tuple(int(part) for part in text.split("+")[0].split("."))
+    assert version(_pins("constraints.txt")["torch"]) >= version(floors["torch"])
