@@ -101,7 +101,7 @@ class HalfCodec:
 
     @staticmethod
     def _to_wire(tensor: torch.Tensor, wire: torch.Tensor, parties: int):
-        """``wire`` := the mean of the node sums in ``tensor`` (in range for 16 bits); returns the
+        """Fill ``wire`` with the mean of the node sums in ``tensor`` (in range for 16 bits); returns the
         function that, once ``wire`` holds the sums of those means, puts the sums into ``tensor``."""
         wire.copy_(tensor.view(-1).mul(1.0 / parties))
 

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     try:
         return Trainer(cfg, comm, stopper).run()
     except Exception as exc:  # noqa: BLE001 - sorted below
-        if getattr(exc, "hsgd_agreed", False):  # raised on every rank alike
+        if getattr(exc, "hsgd_agreed", False):  # raised on every rank, agreed
             if comm.Get_rank() == 0:
                 print(f"python -m hsgd.train: error: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT

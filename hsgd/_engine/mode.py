@@ -281,7 +281,7 @@ class SyncMode(InnerOptimizer, Closable):
     def _unscale_local(self) -> None:
         """Under ``GradScaler.step()``: unscale this rank's own gradients, and skip the inner
         step if one is not finite (modes whose gradients are local; the scaler checked the
-        same gradients, so it skips its update alike)."""
+        same gradients, so it skips its update too)."""
         if not self._under_scaler:
             return
         inverse = self._amp_inverse_scale()

@@ -152,7 +152,7 @@ class Trainer:
 
     def _check_finite(self, finite: bool) -> None:
         """Count steps skipped for NaN/Inf averaged gradients; stop after ``--nonfinite-limit`` in
-        a row. The gradients are the same on every rank, so every rank decides alike."""
+        a row. The gradients are the same on every rank, so every rank makes the same decision."""
         self._skipped = 0 if finite else self._skipped + 1
         if finite:
             return
@@ -245,7 +245,7 @@ def _fit_batch(model, opt, batch, device, clock, amp: MixedPrecision, task: Task
     samples, finite). ``task`` makes the inputs and the loss and scores the batch
     (:mod:`hsgd._trainer.tasks`). With ``average_first`` (a mode with ``gradients_finite``) the
     gradients are averaged, then unscaled (``--amp fp16``), and a step whose averages hold NaN or
-    Inf is not taken (``finite`` False), on every rank alike."""
+    Inf is not taken (``finite`` False), on every rank."""
     x, y = task.inputs(batch, device)
     # The optimizer update counts as compute; averaging (in backward with --overlap, else in
     # step()) is already in intra/inter.

@@ -137,7 +137,7 @@ class StallInspector:
     def waiting(self, step: int, what: str = "step()", count: bool = True) -> Iterator[None]:
         """Around a synchronization that waits for other ranks. Re-entrant: an inner one
         (``synchronize()`` inside ``step()``) counts as part of the outer. ``count=False``: a
-        wait that not every rank enters alike (an allreduce inside a backward hook, whose turn
+        wait that not every rank enters at the same point (an allreduce inside a backward hook, whose turn
         depends on timing) is reported and ends the job after ``abort_after`` like the others,
         but is not published as a synchronization of its own: the missing ranks are named
         against the last one counted."""

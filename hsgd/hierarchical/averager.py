@@ -118,13 +118,13 @@ class HierarchicalAverager(Closable):
     # (every segment whole). No fences: the caller orders the ranks (average() above, or the
     # per-bucket flags of hsgd._engine.overlap).
     def node_mean_of(self, span, scale: float) -> None:
-        """This rank's slice of ``span`` in every slot := ``scale`` / local size * their sum."""
+        """Set this rank's slice of ``span`` in every slot to their sum times ``scale`` / local size."""
         if self.slots.local_size == 1 and scale == 1.0:
             return
         self.traffic.add_intra(self.slots.reduce_broadcast(scale / self.slots.local_size, span))
 
     def reduce_of(self, span) -> None:
-        """This rank's slice of ``span`` in slot 0 := its sum over the node's slots."""
+        """Set this rank's slice of ``span`` in slot 0 to its sum over the node's slots."""
         self.traffic.add_intra(self.slots.reduce_to_first(span))
 
     def across_of(self, span) -> None:
@@ -147,7 +147,7 @@ class HierarchicalAverager(Closable):
         return pending
 
     def spread_of(self, span, scale: float) -> None:
-        """This rank's slice of ``span`` in every slot := ``scale`` * that of slot 0."""
+        """Set this rank's slice of ``span`` in every slot to ``scale`` times that of slot 0."""
         self.traffic.add_intra(self.slots.broadcast_from_first(scale, span))
 
     def _close(self) -> None:

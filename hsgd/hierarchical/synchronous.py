@@ -196,7 +196,7 @@ class HierarchicalSGD(HierarchicalMode):
     def gradients_finite(self) -> bool:
         """Whether every averaged gradient is finite (no NaN or Inf). Call after
         :meth:`synchronize`: the averages are the same on every rank, so is the answer,
-        and a caller may skip the step on every rank alike with no communication."""
+        and a caller may skip the step on every rank with no communication."""
         self._check_open()
         if not self._synchronized:
             raise RuntimeError("gradients_finite() before synchronize(): the gradients are not averaged yet")
