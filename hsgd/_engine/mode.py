@@ -261,7 +261,8 @@ class SyncMode(InnerOptimizer, Closable):
     # override: torch overloads step() (no closure -> None, a closure -> float); one signature
     # with both cannot repeat the overloads
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
-        """Run ``closure`` (if any), then the mode's synchronized step. Collective."""
+        """Run ``closure`` (if any), then the mode's synchronized step (``_step``), watched by the
+        stall inspector. Collective."""
         self._check_open()
         loss = None
         if closure is not None:
