@@ -1,14 +1,8 @@
 """hsgd: hierarchical synchronous SGD for PyTorch over MPI shared memory.
 
-What users import lives here; the synchronization modes by family in
-subpackages (:mod:`hsgd.hierarchical`, :mod:`hsgd.box`, :mod:`hsgd.gossip`), remote
-memory in :mod:`hsgd.remote`, faults in :mod:`hsgd.faults`, private internals in ``hsgd._*``.
-
-The names below are loaded on first use (PEP 562), so that ``import hsgd``
-and the commands that need no MPI (``python -m hsgd.report``) do not start
-MPI: ``from mpi4py import MPI`` initializes it, which outside a launcher
-makes a singleton process (that some MPIs cannot start on a login node, and
-Open MPI 5 leaves a ``/dev/shm/sm_segment.*`` file behind for).
+What users import lives here; the synchronization modes by family in subpackages
+(:mod:`hsgd.hierarchical`, :mod:`hsgd.box`, :mod:`hsgd.gossip`), remote memory in
+:mod:`hsgd.remote`, faults in :mod:`hsgd.faults`, private internals in ``hsgd._*``.
 
 Example::
 
@@ -40,6 +34,10 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__"]
 
 
+# The names are loaded on first use (PEP 562), so that ``import hsgd`` and the commands that
+# need no MPI (python -m hsgd.report) do not start it: ``from mpi4py import MPI`` initializes
+# MPI, which outside a launcher makes a singleton process (that some MPIs cannot start on a
+# login node, and Open MPI 5 leaves a /dev/shm/sm_segment.* file behind for).
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'hsgd' has no attribute {name!r}")

@@ -1,36 +1,11 @@
 """Mixed precision on the CPU: find out in a child process whether autocast works here.
 
-On some machines bf16 autocast on the CPU kills the process that tries it: the
-CPU advertises AMX, oneDNN (torch's CPU kernels) picks its AMX kernels, and the
-hypervisor has not enabled AMX, so the first bf16 matrix product dies of
-SIGILL (or oneDNN fails with "could not create a primitive"). Capping oneDNN
-below AMX with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` avoids it.
-
-- :func:`probe_autocast` runs a small ``torch.nn.Linear`` and ``Conv1d``
-  forward and backward under ``torch.autocast`` in a child process
-  (``sys.executable``, with a timeout) and returns ``None`` if that worked,
-  else one line that says what went wrong and what to do. If the child
-  failed, a second child runs the same check with
-  ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, and the line says whether setting
-  that variable helps. The answer is cached per process. Only the CPU is
-  probed; for any other device it is ``None`` at once.
-- :func:`check_autocast` is the collective form for an MPI job: one rank per
-  host probes, and every rank gets the same answer.
-
-hsgd does not set ``ONEDNN_MAX_CPU_ISA`` itself. oneDNN reads it once, when
-the process runs its first oneDNN kernel (checked with ``ONEDNN_VERBOSE=1``:
-``os.environ`` set before that caps the ISA, set after it changes nothing),
-and the library cannot tell whether the program that calls it has run one
-already; if it had, setting the variable would do nothing and the job would
-still die of SIGILL. Set in the job's environment, it is read before any
-kernel runs (and with it bf16 autocast worked on the machine of the report).
-
-Test hook: ``HSGD_AMP_PROBE_FAULT`` makes the child fail as on such a machine
-instead of running the check: ``sigill`` (it kills itself with SIGILL),
-``primitive`` (it raises ``RuntimeError: could not create a primitive``) or
-``hang`` (it sleeps past the timeout). With the suffix ``:uncapped``
-(``sigill:uncapped``) it fails only while ``ONEDNN_MAX_CPU_ISA`` is unset, as
-on the machine of the report. Only tests set it.
+On some machines bf16 autocast on the CPU kills the process that tries it: the CPU
+advertises AMX, oneDNN (torch's CPU kernels) picks its AMX kernels, the hypervisor has
+not enabled AMX, and the first bf16 matrix product dies of SIGILL (or oneDNN fails with
+"could not create a primitive"). Capping oneDNN below AMX with
+``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` avoids it. :func:`probe_autocast` tries it in a
+child process and says what to do; :func:`check_autocast` is its collective form.
 
 Example::
 
@@ -51,8 +26,16 @@ import torch
 
 __all__ = ["probe_autocast", "check_autocast", "ISA_CAP", "PROBE_TIMEOUT_S"]
 
+# hsgd does not set ONEDNN_MAX_CPU_ISA itself: oneDNN reads it once, at the process's first
+# oneDNN kernel (checked with ONEDNN_VERBOSE=1: set before that it caps the ISA, after it changes
+# nothing), and a library cannot tell whether its caller has run one already. Set in the job's
+# environment it is read before any kernel runs.
 ISA_CAP = "AVX512_CORE_BF16"  # an ISA below AMX, with bf16 instructions (AVX512_BF16)
 PROBE_TIMEOUT_S = 120.0
+# Test hook, set only by tests: the child fails as on such a machine instead of running the
+# check: "sigill" (it kills itself with SIGILL), "primitive" (RuntimeError: could not create a
+# primitive) or "hang" (it sleeps past the timeout); with ":uncapped" ("sigill:uncapped") only
+# while ONEDNN_MAX_CPU_ISA is unset, as on the machine of the report.
 FAULT_HOOK = "HSGD_AMP_PROBE_FAULT"
 _UNSUPPORTED = 3  # the child's exit status when torch ran the layer without autocasting
 
@@ -97,6 +80,10 @@ def probe_autocast(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16
                    off: str = "leave mixed precision off", timeout: float = PROBE_TIMEOUT_S) -> Optional[str]:
     """Whether a forward and backward under ``torch.autocast(device_type, dtype)`` works here,
     tried in a child process so that a crash cannot take this one down.
+
+    The child (``sys.executable``, with a timeout) runs a small ``torch.nn.Linear`` and
+    ``Conv1d`` forward and backward under autocast. If it failed, a second child runs the
+    same check with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` to see whether the cap helps.
 
     Returns ``None`` if it works (and for any device but ``"cpu"``: nothing to probe), else one
     line: what failed (the signal, the error's last line, or the timeout) and the fix, either

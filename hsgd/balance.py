@@ -1,32 +1,10 @@
 """Load balancing for workers of different speed: per-rank batch sizes whose steps end together.
 
-In synchronous SGD every step waits for the slowest rank. :class:`LoadBalancer`
-gives each rank a batch size (its *share* of the unchanged global batch) such
-that all ranks take equally long per step, and gives the optimizer the same
-``batch_shares`` so that its average weights each rank by its batch: a
-gradient average is still exactly the gradient of the global batch.
-
-A rank's step time is modelled as ``a + c * b`` for batch ``b``: a fixed cost
-(kernel launches, the optimizer update, Python) plus a cost per sample. A
-rank's samples per second alone would not do: with a fixed cost, a smaller
-batch measures as fewer samples per second, and shares set in proportion to
-that drift apart epoch after epoch. So:
-
-1. :meth:`LoadBalancer.calibrate` (collective, a short warm-up before
-   training) times ``work(b)`` at two batch sizes on every rank and fits
-   ``a`` and ``c``;
-2. :func:`balanced_shares` finds the shares that equalize ``a_r + c_r * b_r``
-   (water-filling: one common step time ``T``, every rank at least one sample);
-3. :meth:`LoadBalancer.rebalance` (collective, between epochs) takes each
-   rank's measured busy time per step in the last epoch and rescales its
-   ``a`` and ``c`` halfway (geometrically) towards measured over predicted,
-   so a rank that slows down later gets less within a few epochs while one
-   noisy epoch moves little; the shares change only when the model predicts
-   steps at least ``HYSTERESIS`` (5%) shorter.
-
-When the cost per sample dominates, the shares are in proportion to the
-ranks' speeds. Example, with a :class:`~hsgd.ContiguousH5Loader` built with
-``pad=True`` (the default) and :class:`~hsgd.HierarchicalSGD`::
+In synchronous SGD every step waits for the slowest rank. :class:`LoadBalancer` gives
+each rank a batch size (its *share* of the unchanged global batch) such that all ranks
+take equally long per step, and gives the optimizer the same ``batch_shares``, so a
+gradient average weighted by batch is still exactly the gradient of the global batch.
+``python -m hsgd.train --balance`` does this (docs/balancing.md). With a ``pad=True`` loader::
 
     >>> balancer = LoadBalancer(loader, opt)
     >>> balancer.calibrate(lambda b: loss_fn(model(x[:b]), y[:b]).backward())
@@ -35,9 +13,6 @@ ranks' speeds. Example, with a :class:`~hsgd.ContiguousH5Loader` built with
     ...     busy = ...                              # this rank's seconds computing, not waiting
     ...     for batch in loader: ...
     ...     balancer.rebalance(busy, len(loader))   # the next epoch's shares
-
-``python -m hsgd.train --balance`` does this, measuring the busy time as the
-data, compute and straggler phases of its clock.
 """
 
 from __future__ import annotations
@@ -122,6 +97,19 @@ class LoadBalancer:
         optimizer: a mode whose averages take ``batch_shares`` (:class:`~hsgd.HierarchicalSGD`,
             :class:`~hsgd.HierarchicalLocalSGD`); given the loader's shares whenever they change.
         comm: the ranks (default the loader's communicator).
+
+    A rank's step time is modelled as ``a + c * b`` for batch ``b``: a fixed cost (kernel
+    launches, the optimizer update, Python) plus a cost per sample. Samples per second
+    alone would not do: with a fixed cost a smaller batch measures as fewer samples per
+    second, and shares set in proportion to that drift apart epoch after epoch. So
+    :meth:`calibrate` (collective, a short warm-up) times ``work(b)`` at two batch sizes
+    and fits ``a`` and ``c``; ``balanced_shares`` finds the shares that equalize
+    ``a_r + c_r * b_r`` (water-filling: one common step time, every rank at least one
+    sample); :meth:`rebalance` (collective, between epochs) rescales each rank's ``a`` and
+    ``c`` halfway (geometrically) towards measured over predicted, so a rank that slows
+    down gets less within a few epochs while one noisy epoch moves little. The shares
+    change only when the model predicts steps at least ``HYSTERESIS`` shorter. When the
+    cost per sample dominates, the shares are in proportion to the ranks' speeds.
     """
 
     def __init__(self, loader: ContiguousH5Loader, optimizer: SyncMode, comm: Optional[MPI.Comm] = None) -> None:

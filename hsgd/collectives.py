@@ -1,7 +1,6 @@
 """Tensor collectives and rank helpers, in the shape Horovod users know.
 
-For what a training script does besides averaging gradients: average a
-metric, gather predictions, share a value decided on rank 0::
+For metrics, gathered predictions and values decided on rank 0::
 
     >>> import hsgd
     >>> hsgd.rank(), hsgd.size(), hsgd.local_rank(), hsgd.local_size()
@@ -9,22 +8,11 @@ metric, gather predictions, share a value decided on rank 0::
     >>> preds = hsgd.allgather(local_preds)         # concatenated along dim 0
     >>> seed = hsgd.broadcast_object(seed, root_rank=0)
 
-Every function is collective over ``comm`` (default ``MPI.COMM_WORLD``): all
-its ranks must call it, in the same order. Before any data moves the ranks
-compare what they were given (op, shape, dtype, root); a mismatch, or a bad
-argument on any rank, raises the same :class:`~hsgd.errors.InputError` on
-every rank instead of hanging or reducing garbage (one small ``allgather``
+Every function is collective over ``comm`` (default ``MPI.COMM_WORLD``), called by all
+its ranks in the same order. Before any data moves the ranks compare what they were
+given (op, shape, dtype, root): a mismatch or a bad argument on any rank raises the same
+:class:`~hsgd.errors.InputError` on every rank instead of hanging (one small ``allgather``
 per call: these are for metrics and set-up, not for the gradient path).
-
-Tensors may live on any device: CUDA tensors are staged through host
-memory. ``float16`` and ``bfloat16`` are reduced in ``float32`` and cast back.
-Integer tensors take ``"sum"``, ``"min"`` and ``"max"``; ``"mean"`` needs a
-floating-point tensor (cast first, or sum and divide).
-
-``local_rank()`` and ``local_size()`` describe the ranks' (virtual) node, as
-the synchronization modes see it (:class:`~hsgd.Topology`, which honours
-``HSGD_RANKS_PER_NODE``); the first call on the world communicator is
-collective (it splits the world by node), later ones are not.
 """
 
 from __future__ import annotations
@@ -74,7 +62,8 @@ def size(comm: Optional[MPI.Comm] = None) -> int:
 
 
 def _node(comm):
-    """(local_rank, local_size) of this rank's (virtual) node in ``comm``."""
+    """(local_rank, local_size) of this rank's (virtual) node in ``comm``, as the modes see it
+    (:class:`~hsgd.Topology`, which honours ``HSGD_RANKS_PER_NODE``)."""
     global _world_topology
     from mpi4py import MPI
 
@@ -187,7 +176,11 @@ def _agreed_reduction(what: str, tensor, op: str, comm) -> None:
 
 def allreduce(tensor: torch.Tensor, op: ReduceOp = "mean", comm: Optional[MPI.Comm] = None) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced over all ranks by ``op`` (mean, sum, min, max),
-    on ``tensor``'s device and dtype. Collective; the ranks' shapes and dtypes must match."""
+    on ``tensor``'s device and dtype. Collective; the ranks' shapes and dtypes must match.
+
+    CUDA tensors are staged through host memory; ``float16`` and ``bfloat16`` are reduced
+    in ``float32`` and cast back. Integer tensors take ``"sum"``, ``"min"`` and ``"max"``;
+    ``"mean"`` needs a floating-point tensor (cast first, or sum and divide)."""
     comm = _comm(comm)
     _agreed_reduction("allreduce", tensor, op, comm)
     return _reduced(tensor, op, comm).to(tensor.device, tensor.dtype)

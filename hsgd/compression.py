@@ -1,19 +1,12 @@
 """Compression of the inter-node level: node sums cross the network in 16 bits.
 
 ``compression="fp16"`` or ``"bf16"`` on :class:`~hsgd.HierarchicalSGD` and
-:class:`~hsgd.HierarchicalLocalSGD` (``--compression`` in the trainer), in the
-manner of Horovod's ``Compression.fp16``. Only the inter-node allreduce
-changes: each node's sum (float32 or float64, in the shared window) is
-divided by the number of parties (so the values on the wire stay the size of
-one node's sum however many nodes there are), cast to 16 bits, summed across
-nodes in that precision by an MPI user-defined operation, and cast back and
-multiplied out. Inside a node nothing changes, and with one node nothing is
-compressed. The traffic counters (``inter_bytes``) count the 16-bit bytes.
-
-``fp16`` keeps 11 significant bits in a range of about 6e-8 to 65504:
-gradients smaller than that flush to zero and a node sum above it becomes
-Inf (hsgd then skips the step, see ``HierarchicalSGD.gradients_finite``).
-``bf16`` keeps float32's range with 8 significant bits.
+:class:`~hsgd.HierarchicalLocalSGD` (``--compression`` in the trainer), in the manner of
+Horovod's ``Compression.fp16``. Only the inter-node allreduce changes; inside a node
+nothing does, and with one node nothing is compressed. The traffic counters
+(``inter_bytes``) count the 16-bit bytes. ``fp16`` keeps 11 significant bits in a range
+of about 6e-8 to 65504 (a node sum above it becomes Inf, and hsgd skips the step:
+``HierarchicalSGD.gradients_finite``); ``bf16`` keeps float32's range with 8 bits.
 
 Example::
 
@@ -54,7 +47,12 @@ def _adder(dtype: torch.dtype):
 
 
 class HalfCodec:
-    """Sum float32/float64 buffers across a communicator in a 16-bit dtype. Owns an MPI op."""
+    """Sum float32/float64 buffers across a communicator in a 16-bit dtype. Owns an MPI op.
+
+    Each node's sum is divided by the number of parties (so the values on the wire stay the
+    size of one node's sum however many nodes there are), cast to 16 bits, summed across
+    nodes in that precision by an MPI user-defined operation, cast back and multiplied out.
+    """
 
     def __init__(self, name: str):
         from mpi4py import MPI
@@ -103,7 +101,7 @@ class HalfCodec:
 
     @staticmethod
     def _to_wire(tensor: torch.Tensor, wire: torch.Tensor, parties: int):
-        """``wire`` := the mean of the node sums in ``tensor`` (in range for 16 bits); returns the
+        """Fill ``wire`` with the mean of the node sums in ``tensor`` (in range for 16 bits); returns the
         function that, once ``wire`` holds the sums of those means, puts the sums into ``tensor``."""
         wire.copy_(tensor.view(-1).mul(1.0 / parties))
 

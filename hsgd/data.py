@@ -1,6 +1,6 @@
 """Making and inspecting hsgd training data files: ``python -m hsgd.data``.
 
-Subcommands::
+Subcommands (each says more in its function below and in ``--help``)::
 
     python -m hsgd.data convert --x X.npy --y Y.npy -o data.h5 [--test-fraction 0.2]
     python -m hsgd.data convert --npz data.npz [--npz-x x --npz-y y] -o data.h5 [--compress]
@@ -8,31 +8,6 @@ Subcommands::
     python -m hsgd.data text [FILES ...] -o tokens.h5 [--block-size 256] [--val-fraction 0.1]
                              [--seed 0] [--max-bytes N] [--compress]
     python -m hsgd.data inspect data.h5
-
-``convert`` writes keys ``x, y``, or ``x_train, y_train, x_test, y_test``
-with ``--test-fraction``, in a seeded random order (``--no-shuffle`` keeps
-it), chunked by whole samples (about 1 MiB per chunk) for
-:class:`~hsgd.parallel_io.ContiguousH5Loader`; see :mod:`hsgd._io.h5write`.
-
-``mnist1d`` generates MNIST-1D offline from the ``mnist1d`` package's
-templates (no download): ``--samples`` is the number generated (mnist1d's
-``num_samples``, default 5000), 80 % of it train, 20 % test, in mnist1d's own
-order. Layout: ``x_train (0.8 n, 40) float32``, ``y_train (0.8 n,) int64``,
-``x_test (0.2 n, 40) float32``, ``y_test (0.2 n,) int64``; file attributes
-``source="mnist1d"``, ``seed``, ``num_samples``.
-
-``text`` writes byte-level token data for language modelling (``--model
-gpt``): the FILES' bytes concatenated in the order given, or with no FILES the
-running Python's standard-library sources (every ``*.py`` file, sorted, no
-``site-packages``; about 31 MB for Python 3.11), at most ``--max-bytes``,
-cut into blocks of ``--block-size`` bytes with their next bytes as labels,
-and a seeded random ``--val-fraction`` of the blocks as the validation split
-(keys ``x_test``/``y_test``, the trainer's default test keys). The file
-records the files read, their bytes' sha256 and ``kind="tokens"``; the
-layout is in :mod:`hsgd._io.tokens`.
-
-``inspect`` lists data sets, shapes, dtypes, chunking, compression, and the
-read block and shuffle window the loader would use.
 
 Every write is atomic (a temporary file in the target directory, then
 ``os.replace``). Errors print once, on rank 0 when run under ``mpiexec``,
@@ -82,7 +57,7 @@ def _mnist1d_arrays(num_samples: int, seed: int):
 
 def write_mnist1d(path, *, num_samples: int = 5000, seed: int = 42,
                   compress: bool = False) -> Path:
-    """Generate MNIST-1D (offline) and write it to ``path`` (layout in the module docstring)."""
+    """Generate MNIST-1D (offline) and write it to ``path`` (layout: :func:`_mnist1d`)."""
     check_int("num_samples", num_samples, minimum=10)  # one per class at least
     x, y, x_test, y_test = _mnist1d_arrays(num_samples, seed)
     pairs = [("x_train", "y_train", x.astype(np.float32), y.astype(np.int64), None),
@@ -216,6 +191,10 @@ def _load_inputs(args):
 
 
 def _convert(args) -> str:
+    """``convert``: keys ``x, y``, or ``x_train, y_train, x_test, y_test`` with
+    ``--test-fraction``, in a seeded random order (``--no-shuffle`` keeps it), chunked by
+    whole samples (about 1 MiB per chunk) for :class:`~hsgd.parallel_io.ContiguousH5Loader`;
+    see :mod:`hsgd._io.h5write`."""
     x, y = _load_inputs(args)
     write_dataset(args.output, x, y, test_fraction=args.test_fraction,
                   shuffle=not args.no_shuffle, seed=args.seed, compress=args.compress)
@@ -223,12 +202,25 @@ def _convert(args) -> str:
 
 
 def _mnist1d(args) -> str:
+    """``mnist1d``: MNIST-1D generated offline from the ``mnist1d`` package's templates (no
+    download). ``--samples`` is the number generated (mnist1d's ``num_samples``), 80 % of it
+    train, 20 % test, in mnist1d's own order. Layout: ``x_train (0.8 n, 40) float32``,
+    ``y_train (0.8 n,) int64``, ``x_test (0.2 n, 40) float32``, ``y_test (0.2 n,) int64``;
+    file attributes ``source="mnist1d"``, ``seed``, ``num_samples``."""
     write_mnist1d(args.output, num_samples=args.samples, seed=args.seed,
                   compress=args.compress)
     return f"wrote {format_description(describe(args.output))}"
 
 
 def _text(args) -> str:
+    """``text``: byte-level token data for language modelling (``--model gpt``): the FILES'
+    bytes concatenated in the order given, or with no FILES the running Python's
+    standard-library sources (every ``*.py`` file, sorted, no ``site-packages``), at most
+    ``--max-bytes``, cut into blocks of ``--block-size`` bytes with their next bytes as
+    labels, and a seeded random ``--val-fraction`` of the blocks as the validation split
+    (keys ``x_test``/``y_test``, the trainer's default test keys). The file records the
+    files read, their bytes' sha256 and ``kind="tokens"``; the layout is in
+    :mod:`hsgd._io.tokens`."""
     options = dict(block_size=args.block_size, val_fraction=args.val_fraction, seed=args.seed,
                    max_bytes=args.max_bytes, compress=args.compress)
     if args.files:
@@ -239,6 +231,8 @@ def _text(args) -> str:
 
 
 def _inspect(args) -> str:
+    """``inspect``: data sets, shapes, dtypes, chunking, compression, and the read block and
+    shuffle window the loader would use."""
     return format_description(describe(args.path))
 
 

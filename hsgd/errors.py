@@ -1,18 +1,12 @@
 """The errors hsgd's own checks raise: the caller gave a bad value, type, file or setting.
 
-Every check in hsgd that rejects user input raises an :class:`InputError`,
-which is also the built-in exception a caller would expect
-(:class:`InputValueError` is a ``ValueError``, and so on), so ``except
-ValueError`` keeps working. The distinction matters in a multi-rank program:
-
-- an :class:`InputError` is *expected*: hsgd agrees on it over the ranks
-  (:mod:`hsgd._core.agree`), every rank raises the same one, and the trainer
-  prints it as one ``error:`` line and exits with status 2;
-- any other exception is a bug (in hsgd, torch, or the user's model code):
-  it keeps its traceback and the job is aborted, since it may have happened
-  on one rank only.
-
-Example::
+Every check that rejects user input raises an :class:`InputError`, which is also the
+built-in exception a caller would expect (:class:`InputValueError` is a ``ValueError``,
+and so on). In a multi-rank program an :class:`InputError` is *expected*: hsgd agrees on
+it over the ranks (:mod:`hsgd._core.agree`), every rank raises the same one, and the
+trainer prints it as one ``error:`` line and exits with status 2. Any other exception
+is a bug: it keeps its traceback and the job is aborted, since it may have happened on
+one rank only. Example::
 
     >>> try:
     ...     hsgd.LARS(model.parameters(), lr=-1)

@@ -1,32 +1,13 @@
 """Level 2: summing the node sums across nodes with MPI.
 
-After level 1 each node's sum sits in slot 0 of its shared window. Two
-strategies reduce it across nodes, in place on the shared memory (no
-staging copy):
-
-* ``"leader"`` (:class:`LeaderAllreduce`, the HSGD design): the node leader
-  allreduces the whole buffer with the other leaders over
-  ``Topology.leader_comm`` while its local peers wait. One message per node
-  crosses the network; works with nodes of any size.
-* ``"sharded"`` (:class:`ShardedAllreduce`, Horovod's hierarchical
-  allreduce): local rank ``i`` allreduces its own slice ``i`` with the ranks
-  of local index ``i`` on the other nodes, so every local rank drives the
-  network at once. The slices must line up, so every node must have the same
-  number of ranks; :func:`make_inter_node` falls back to ``"leader"`` with a
-  warning otherwise.
-
-Both sum; the caller scales by ``1 / world_size``, so unequal nodes still
-give the exact global mean. A buffer crosses in sums of at most
-``CHUNK_BYTES`` (4 MiB): across two hosts at 1 Gbit/s with two ranks each, one
-8 MB ``MPI_Allreduce`` between the leaders took 80.6 ms and two of 4 MB
-66.8 ms (the wire limit is 64 ms); with one rank per host both took 67 ms.
-Each sum is an ``MPI_Allreduce`` or, for a node count above 2 that is not a
-power of two, a reduce-scatter then an allgather (:mod:`hsgd._transport.sums`:
-MPICH's allreduce took 2.5x the wire limit across 3 hosts). With
-``compression`` (``"fp16"``, ``"bf16"``, :mod:`hsgd.compression`) the sums
-cross nodes in 16 bits.
-
-Example::
+After level 1 each node's sum sits in slot 0 of its shared window; it is reduced across
+nodes in place (no staging copy) by ``"leader"`` (:class:`LeaderAllreduce`, the HSGD
+design: the node leader allreduces the whole buffer with the other leaders; nodes of
+any size) or ``"sharded"`` (:class:`ShardedAllreduce`, Horovod's hierarchical allreduce:
+local rank ``i`` allreduces its slice ``i`` with the ranks of local index ``i`` on the
+other nodes; equal nodes only, else :func:`make_inter_node` falls back to ``"leader"``).
+With ``compression`` (:mod:`hsgd.compression`) the sums cross nodes in 16 bits. Both
+sum; the caller scales by ``1 / world_size``, so unequal nodes give the exact mean::
 
     >>> strategy = make_inter_node("sharded", topo)
     >>> strategy.allreduce_(node_sum, lo, hi)   # node_sum: slot 0's segment
@@ -59,7 +40,10 @@ logger = logging.getLogger(__name__)
 STRATEGIES = ("leader", "sharded")
 #: The inter-node strategies, as a type: what ``inter_node`` takes.
 InterNode = Literal["leader", "sharded"]
-CHUNK_BYTES = 4 << 20  # the largest single inter-node allreduce
+# The largest single inter-node sum. Across two hosts at 1 Gbit/s with two ranks each, one 8 MB
+# MPI_Allreduce between the leaders ran well below the wire rate where two of 4 MB reached it
+# (docs/benchmarks.md, training steps across emulated hosts).
+CHUNK_BYTES = 4 << 20
 
 
 class Pending:

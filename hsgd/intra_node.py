@@ -1,33 +1,16 @@
 """Level 1: averaging inside a node through one MPI shared-memory window.
 
-Every node allocates one window with ``MPI.Win.Allocate_shared``; each local
-rank owns one *slot* in it, laid out by a :class:`Layout` (one aligned
-segment per dtype). Training writes straight into the slots: gradients are
-views into the rank's own slot (see :class:`hsgd.HierarchicalSGD`), so backward
-fills shared memory with no copy.
+Every node allocates one window with ``MPI.Win.Allocate_shared``; each local rank owns
+one *slot* in it, laid out by a :class:`Layout` (one aligned segment per dtype).
+Gradients are views into the rank's own slot (:class:`hsgd.HierarchicalSGD`), so
+backward fills shared memory with no copy. The node reduction is a parallel
+reduce-scatter in shared memory: each segment is cut into ``k`` slices and local rank
+``i`` sums slice ``i`` over all ``k`` slots, then writes the result into slice ``i`` of
+every slot (one node), or leaves it in slot 0 for level 2 and spreads it back after.
 
-The node reduction is a parallel reduce-scatter in shared memory: with ``k``
-local ranks every segment is cut into ``k`` slices and local rank ``i`` sums
-slice ``i`` over all ``k`` slots, so each rank reads ``n`` elements and the
-work is split ``k`` ways. Within one node (:meth:`SharedSlots.reduce_broadcast`)
-the rank then writes the scaled result into slice ``i`` of every slot: after
-one pass each slot holds the full average. Across nodes the sum goes to slot
-0 first (:meth:`SharedSlots.reduce_to_first`), level 2 reduces it in place,
-and :meth:`SharedSlots.broadcast_from_first` spreads it back.
-
-Memory model: the window stays in one passive ``Lock_all`` epoch for its
-whole life; :meth:`SharedSlots.fence` (``Win.Sync`` + ``Barrier`` +
-``Win.Sync``) separates the phases. A barrier alone does not make stores to
-shared memory visible on every MPI.
-
-Example::
-
-    >>> layout = Layout([(torch.float32, 1000)])
-    >>> with SharedSlots(topo.node_comm, layout) as slots:
-    ...     slots.slot(topo.local_rank, 0).fill_(topo.local_rank)
-    ...     slots.fence()               # all slots written
-    ...     slots.reduce_broadcast(1.0 / topo.local_size)
-    ...     slots.fence()               # every slot holds the mean
+Memory model: the window stays in one passive ``Lock_all`` epoch for its whole life;
+:meth:`SharedSlots.fence` (``Win.Sync`` + ``Barrier`` + ``Win.Sync``) separates the
+phases. A barrier alone does not make stores to shared memory visible on every MPI.
 """
 
 from __future__ import annotations
@@ -111,6 +94,15 @@ class SharedSlots(Closable):
     Collective over ``node_comm`` to build and to ``close()``. ``slot(r, s)``
     is a torch view of segment ``s`` of local rank ``r``'s slot, straight over
     the shared memory.
+
+    Example::
+
+        >>> layout = Layout([(torch.float32, 1000)])
+        >>> with SharedSlots(topo.node_comm, layout) as slots:
+        ...     slots.slot(topo.local_rank, 0).fill_(topo.local_rank)
+        ...     slots.fence()               # all slots written
+        ...     slots.reduce_broadcast(1.0 / topo.local_size)
+        ...     slots.fence()               # every slot holds the mean
     """
 
     def __init__(self, node_comm, layout: Layout):
@@ -199,16 +191,17 @@ class SharedSlots(Closable):
         return moved
 
     def reduce_broadcast(self, scale: float, span=None) -> int:
-        """Slice ``i`` of every slot := ``scale`` * sum over slots (one node). Returns bytes moved.
-        ``span``: ``(segment, lo, hi)``, only those elements, cut in slices alike (a bucket)."""
+        """Set slice ``i`` of every slot to ``scale`` times its sum over the slots (one node): after
+        one pass every slot holds the whole average. Returns the bytes moved. ``span``:
+        ``(segment, lo, hi)``, only those elements, cut into slices the same way (a bucket)."""
         return self._pass(reduce=True, scale=scale, spread=True, span=span)
 
     def reduce_to_first(self, span=None) -> int:
-        """Slice ``i`` of slot 0 := sum of slice ``i`` over all slots. Returns bytes moved."""
+        """Set slice ``i`` of slot 0 to the sum of slice ``i`` over all slots. Returns bytes moved."""
         return self._pass(reduce=True, scale=1.0, spread=False, span=span)
 
     def broadcast_from_first(self, scale: float, span=None) -> int:
-        """Slice ``i`` of every slot := ``scale`` * slice ``i`` of slot 0. Returns bytes moved."""
+        """Set slice ``i`` of every slot to ``scale`` times slice ``i`` of slot 0. Returns bytes moved."""
         return self._pass(reduce=False, scale=scale, spread=True, span=span)
 
     def _close(self) -> None:

@@ -1,11 +1,10 @@
-r"""LARS: layer-wise adaptive rate scaling for large-batch SGD.
+"""LARS: layer-wise adaptive rate scaling for large-batch SGD.
 
-Implements Algorithm 1 of You, Gitman, Ginsburg, "Large Batch Training of
-Convolutional Networks", 2017 (https://arxiv.org/abs/1708.03888), with the
-optional clipping variant (LARC) of NVIDIA apex's ``apex/parallel/LARC.py``.
-Every parameter tensor ("layer") gets its own rate, proportional to the ratio
-of its weight norm to its gradient norm, so that no layer's step is large
-compared with its weights however large the global batch (and global lr) is.
+Algorithm 1 of You, Gitman, Ginsburg, "Large Batch Training of Convolutional Networks",
+2017 (https://arxiv.org/abs/1708.03888), with the optional clipping variant (LARC) of
+NVIDIA apex's ``apex/parallel/LARC.py``. Every parameter tensor ("layer") gets its own
+rate, proportional to the ratio of its weight norm to its gradient norm, so that no
+layer's step is large compared with its weights however large the global batch is.
 
 Example::
 

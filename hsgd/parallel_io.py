@@ -1,62 +1,16 @@
 """Parallel training input from one HDF5 file: large contiguous reads, random order.
 
-A map-style ``Dataset`` that reads ``f["x"][i]`` per sample behind a random
-sampler issues one small scattered read per sample, which is what stalls
-training on parallel file systems. :class:`ContiguousH5Loader` reads each
-rank's share of an epoch as a few large contiguous row ranges and shuffles in
-memory instead (the HSGD paper's I/O design):
+A map-style ``Dataset`` reading ``f["x"][i]`` behind a random sampler issues one small
+scattered read per sample, which stalls training on parallel file systems.
+:class:`ContiguousH5Loader` reads each rank's share of an epoch as a few large
+contiguous row ranges and shuffles in memory instead (the HSGD paper's I/O design).
+The in-memory shuffle spans a window, not the data set, so the file itself should
+be in random order: ``python -m hsgd.data convert`` writes it so.
 
-* the data set is cut into blocks of ``block_size`` consecutive samples (by
-  default about 4 MiB, a multiple of the HDF5 chunk rows);
-* each epoch the blocks are permuted the same way on every rank (seeded by
-  ``seed`` and the epoch) and the permuted stream is cut into equal
-  contiguous per-rank ranges, so every rank yields exactly ``len(loader)``
-  batches (:mod:`hsgd._io.plan` has the arithmetic; :func:`plan_epoch`);
-* a rank reads each of its blocks with one contiguous read into a
-  preallocated buffer (``os.preadv`` at the data's file offset when the data
-  set is uncompressed, h5py's ``read_direct`` otherwise), in a background
-  thread ``prefetch`` windows ahead, and shuffles the samples of
-  ``window_blocks`` blocks at a time.
-
-The in-memory shuffle spans a window, not the data set, so the file itself
-should be in random order: ``python -m hsgd.data convert`` writes it so.
-
-Remainder: ``drop_last=True`` drops ``N mod (world_size * n)`` samples (a
-different set every epoch); ``drop_last=False`` pads by wrapping around to
-the stream's start. ``drop_last=False, pad=False`` is the evaluation mode:
-every sample exactly once, contiguous shards, and batch counts that may differ
-by one between ranks, so reduce results once after the loop, never per batch.
-
-Batches are ``(x, y)`` (``(x, y, idx)`` with ``return_indices=True``): x in
-the file's dtype and sample shape, y and the global sample indices idx as
-int64. Labels are one integer per sample, ``(N,)``, or one per position,
-``(N, *label_shape)`` (the next-token targets of ``python -m hsgd.data text``);
-:attr:`sample_shape` and :attr:`label_shape` say which. They are views of
-per-window arrays, and an array is refilled only once every batch of it has
-been released: keep batches as long as you like.
-The file is opened read-only by every rank with the ordinary h5py; chunked,
-contiguous and compressed data sets all work.
-
-The loader is stateful, like a checkpointable sampler: iteration continues
-from :attr:`position` (the batches of the current epoch handed out so far),
-and a finished epoch moves on to the next by itself. :meth:`state_dict` and
-:meth:`load_state_dict` save and restore that place.
-
-Example::
-
-    with ContiguousH5Loader("mnist1d.h5", "x_train", "y_train", batch_size=64) as loader:
-        loader.load_state_dict(checkpoint["loader"])      # when resuming
-        for epoch in range(start_epoch, epochs):
-            loader.set_epoch(epoch)          # keeps the position after a resume
-            for x, y in loader:              # len(loader) batches on every rank
-                ...
-            checkpoint["loader"] = loader.state_dict()
-
-    # evaluation: every test sample exactly once, reduced after the loop
-    with ContiguousH5Loader("mnist1d.h5", "x_test", "y_test", batch_size=256,
-                            shuffle=False, drop_last=False, pad=False) as test:
-        correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in test)
-    correct = comm.allreduce(correct)
+Invariants: every rank yields exactly ``len(loader)`` batches (except the evaluation
+mode, ``drop_last=False, pad=False``); the block order is the same on every rank for a
+given ``(seed, epoch)``; batches are views that stay valid as long as they are kept;
+the loader is stateful (:attr:`~ContiguousH5Loader.position`, ``state_dict``).
 """
 
 from __future__ import annotations
@@ -103,7 +57,50 @@ def _resolve_comm(comm, topology):
 
 
 class ContiguousH5Loader:
-    """Batches of ``(x, y)`` read from HDF5 in large contiguous blocks (module docstring).
+    """Batches of ``(x, y)`` read from HDF5 in large contiguous blocks.
+
+    The data set is cut into blocks of ``block_size`` consecutive samples. Each epoch the
+    blocks are permuted the same way on every rank (seeded by ``seed`` and the epoch) and
+    the permuted stream is cut into equal contiguous per-rank ranges (:mod:`hsgd._io.plan`,
+    ``plan_epoch``). A rank reads each of its blocks with one contiguous read into a
+    preallocated buffer (``os.preadv`` at the data's file offset when the data set is
+    uncompressed, h5py's ``read_direct`` otherwise), in a background thread ``prefetch``
+    windows ahead, and shuffles the samples of ``window_blocks`` blocks at a time. The
+    file is opened read-only by every rank with the ordinary h5py; chunked, contiguous and
+    compressed data sets all work.
+
+    Remainder: ``drop_last=True`` drops ``N mod (world_size * n)`` samples (a different
+    set every epoch); ``drop_last=False`` pads by wrapping around to the stream's start.
+    ``drop_last=False, pad=False`` is the evaluation mode: every sample exactly once,
+    contiguous shards, and batch counts that may differ by one between ranks, so reduce
+    results once after the loop, never per batch.
+
+    Batches are ``(x, y)`` (``(x, y, idx)`` with ``return_indices=True``): x in the file's
+    dtype and sample shape, y and the global sample indices idx as int64. Labels are one
+    integer per sample, ``(N,)``, or one per position, ``(N, *label_shape)`` (the
+    next-token targets of ``python -m hsgd.data text``); ``sample_shape`` and
+    ``label_shape`` say which. Batches are views of per-window arrays, and an array is
+    refilled only once every batch of it has been released.
+
+    Like a checkpointable sampler, iteration continues from :attr:`position` (the batches
+    of the current epoch handed out so far), a finished epoch moves on to the next by
+    itself, and :meth:`state_dict` / :meth:`load_state_dict` save and restore that place.
+
+    Example::
+
+        with ContiguousH5Loader("mnist1d.h5", "x_train", "y_train", batch_size=64) as loader:
+            loader.load_state_dict(checkpoint["loader"])      # when resuming
+            for epoch in range(start_epoch, epochs):
+                loader.set_epoch(epoch)          # keeps the position after a resume
+                for x, y in loader:              # len(loader) batches on every rank
+                    ...
+                checkpoint["loader"] = loader.state_dict()
+
+        # evaluation: every test sample exactly once, reduced after the loop
+        with ContiguousH5Loader("mnist1d.h5", "x_test", "y_test", batch_size=256,
+                                shuffle=False, drop_last=False, pad=False) as test:
+            correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in test)
+        correct = comm.allreduce(correct)
 
     Args:
         path, x_key, y_key: the file and the sample and label data sets (paths
@@ -119,7 +116,7 @@ class ContiguousH5Loader:
         window_blocks: blocks shuffled together in memory (default: the
             fewest holding 1024 samples, at most 16 MiB; see
             :func:`~hsgd._io.plan.default_window_blocks`).
-        drop_last, pad: the remainder rule (module docstring).
+        drop_last, pad: the remainder rule (above).
         prefetch: windows read ahead in a background thread (0: no thread).
         return_indices: also yield the int64 global sample indices per batch.
         check_labels: scan the labels once for negative values (each rank

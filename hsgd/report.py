@@ -5,21 +5,6 @@ Reads the ``config.json`` and ``metrics.jsonl`` that
 
     python -m hsgd.report DIR [--out PLOT_DIR] [--no-plots]
 
-Of ``metrics.jsonl`` (one JSON object per line) only ``"step"`` records
-(``step``, ``loss``) and ``"epoch"`` records (``epoch``, ``step``,
-``train_loss``, ``train_acc``, ``test_loss``, ``test_acc`` as a fraction,
-``samples_per_s``, ``seconds``, ``time`` = seconds per phase on rank 0,
-``test_bpb`` = bits per byte of a language model, ``test_loss / ln 2``, shown
-when a run has it,
-``intra_bytes`` / ``inter_bytes`` = bytes moved inside / across nodes by all
-ranks in the epoch) are read; other events and keys are ignored (a step
-record's ``ranks``: how many ranks its loss and samples/s cover, 1 in the
-modes whose ranks do not step together; an epoch record's
-``rank_steps_per_s``: each rank's steps per second up to its last step). A resumed run appends to the same
-file, so the last record for a step or an epoch wins. Lines that are not JSON
-(cut off by a killed run) are skipped with a warning. An epoch's communication
-share is ``(intra + inter) / (data + compute + intra + inter)`` of its ``time``.
-
 Example::
 
     >>> run = load_run("runs/resnet50")
@@ -65,7 +50,22 @@ class Run:
 
 
 def load_run(run_dir) -> Run:
-    """Read ``run_dir/config.json`` (optional) and ``run_dir/metrics.jsonl``."""
+    """Read ``run_dir/config.json`` (optional) and ``run_dir/metrics.jsonl``.
+
+    Of ``metrics.jsonl`` (one JSON object per line) only ``"step"`` records (``step``,
+    ``loss``) and ``"epoch"`` records are read: ``epoch``, ``step``, ``train_loss``,
+    ``train_acc``, ``test_loss``, ``test_acc`` (a fraction), ``samples_per_s``,
+    ``seconds``, ``time`` (seconds per phase on rank 0), ``test_bpb`` (bits per byte of a
+    language model, ``test_loss / ln 2``, shown when a run has it), ``intra_bytes`` /
+    ``inter_bytes`` (bytes moved inside / across nodes by all ranks in the epoch). Other
+    events and keys are ignored (a step record's ``ranks``: how many ranks its loss and
+    samples/s cover, 1 in the modes whose ranks do not step together; an epoch record's
+    ``rank_steps_per_s``: each rank's steps per second up to its last step). A resumed run
+    appends to the same file, so the last record for a step or an epoch wins; lines that
+    are not JSON (cut off by a killed run) are skipped with a warning. An epoch's
+    communication share is ``(intra + inter) / (data + compute + intra + inter)`` of its
+    ``time``.
+    """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise InputFileNotFoundError(f"run directory {run_dir} not found: {_HOW_TO}")

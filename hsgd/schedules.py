@@ -1,38 +1,12 @@
-r"""Learning-rate schedules for large-batch training.
+"""Learning-rate schedules for large-batch training: warm-up then poly or step decay.
 
-Both schedulers are ``torch.optim.lr_scheduler.LRScheduler`` subclasses and
-work with any torch optimizer (including :class:`hsgd.lars.LARS`), with
-``state_dict()`` / ``load_state_dict()`` and with ``last_epoch`` resumption.
-The rate is a closed form of the step index :math:`t`, the number of
-``scheduler.step()`` calls so far (0 right after construction); call
-``scheduler.step()`` once per optimizer step (or per epoch: ``warmup_steps``,
-``total_steps`` and ``milestones`` count whatever one ``step()`` stands for).
-:math:`\gamma_0` is each group's ``lr`` when the scheduler is built.
-
-Linear warm-up (both schedulers), start factor :math:`f_0`, :math:`W` steps:
-
-.. math::
-    \gamma_t = \gamma_0 \left(f_0 + (1 - f_0)\, t / W\right), \quad 0 \le t < W,
-
-so :math:`\gamma_0 f_0` at step 0 and exactly :math:`\gamma_0` at :math:`t = W`.
-Goyal et al. 2017 (arXiv:1706.02677) warm up over 5 epochs from
-:math:`\gamma_0 / k` (``warmup_start_factor=1/k``) to the scaled rate.
-
-:class:`WarmupPolyLR`, the LARS paper's :math:`\gamma_t = \gamma_0 (1 - t/T)^p`
-(:math:`p = 2`) after the warm-up, decaying to ``end_lr`` :math:`e` at :math:`T`:
-
-.. math::
-    \gamma_t = e + (\gamma_0 - e)\left(1 - \frac{t - W}{T - W}\right)^p,
-    \quad W \le t \le T; \qquad \gamma_t = e, \quad t > T.
-
-:class:`WarmupMultiStepLR`, step decay by :math:`g` at milestones
-:math:`M_1 < M_2 < \dots` after the warm-up:
-:math:`\gamma_t = \gamma_0 \, g^{\#\{i : M_i \le t\}}` for :math:`t \ge W`.
-
-:func:`scaled_lr` is the linear scaling rule
-:math:`\gamma_0 = \text{base\_lr} \cdot B / B_\text{base}`.
-
-Example::
+Both schedulers are ``torch.optim.lr_scheduler.LRScheduler`` subclasses and work with
+any torch optimizer (including :class:`hsgd.lars.LARS`), with ``state_dict()`` /
+``load_state_dict()`` and ``last_epoch`` resumption. The rate is a closed form of the
+step index :math:`t`, the number of ``scheduler.step()`` calls so far (0 right after
+construction); ``warmup_steps``, ``total_steps`` and ``milestones`` count whatever one
+``step()`` stands for (an optimizer step, or an epoch). The formulas are in the class
+docstrings; :func:`scaled_lr` is the linear scaling rule (Goyal et al. 2017). Example::
 
     >>> opt = LARS(model.parameters(), lr=scaled_lr(0.1, global_batch=8192))
     >>> sched = WarmupPolyLR(opt, total_steps=90 * steps_per_epoch,

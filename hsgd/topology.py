@@ -1,15 +1,11 @@
 """Which ranks share a node, and who speaks for each node.
 
-hsgd synchronizes in two levels: ranks on one node through a shared-memory
-window, nodes through MPI. :class:`Topology` holds the communicators for both
-levels.
-
-Physical nodes come from ``comm.Split_type(MPI.COMM_TYPE_SHARED)``: ranks
-that can map each other's memory. A *virtual* node size (``ranks_per_node``,
-or the environment variable ``HSGD_RANKS_PER_NODE``) sub-splits every physical
-node into groups of that many consecutive ranks, so that a single host can run
-and test the inter-node path. The last group of a physical node may be smaller
-(5 ranks with 2 per node gives nodes of 2, 2 and 1).
+:class:`Topology` holds the communicators of hsgd's two levels: ranks on one node (a
+shared-memory window) and the nodes (MPI). Physical nodes come from
+``comm.Split_type(MPI.COMM_TYPE_SHARED)``. A *virtual* node size (``ranks_per_node``, or
+``HSGD_RANKS_PER_NODE``) sub-splits every physical node into groups of that many
+consecutive ranks, so that a single host can run and test the inter-node path; the last
+group of a physical node may be smaller (5 ranks with 2 per node: nodes of 2, 2 and 1).
 
 Example::
 

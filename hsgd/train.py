@@ -10,17 +10,9 @@ Launch::
     srun --mpi=pmi2 python -m hsgd.train --run-dir runs/a --resume   # see scripts/slurm/
     python -m hsgd.train --help                            # every option, with defaults
 
-With no ``--data``, rank 0 generates MNIST-1D (offline, package ``mnist1d``),
-or for ``--model gpt`` the byte tokens of the Python standard library's sources
-(:mod:`hsgd._io.tokens`), into a cache directory the first time; every rank
-then reads its share through
-:class:`~hsgd.parallel_io.ContiguousH5Loader`. Each run writes ``RUN_DIR``
-with ``config.json``, ``metrics.jsonl`` (see :mod:`hsgd.report`) and
-``checkpoints/``. On SIGUSR1 or SIGTERM (Slurm's warning before the time
-limit) every rank finishes its step, a checkpoint is written and the job
-exits with status 75 so that the batch script requeues it; ``--resume``
-continues from the latest checkpoint with the same result as a run that was
-never stopped. Bad input prints one message from rank 0 and exits with 2.
+On SIGUSR1 or SIGTERM (Slurm's warning) every rank finishes its step, a checkpoint is
+written and the job exits with status 75 for the batch script to requeue; ``--resume``
+gives the same result as a run never stopped. Bad input exits with 2. docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -74,7 +66,7 @@ def main(argv=None) -> int:
     try:
         return Trainer(cfg, comm, stopper).run()
     except Exception as exc:  # noqa: BLE001 - sorted below
-        if getattr(exc, "hsgd_agreed", False):  # raised on every rank alike
+        if getattr(exc, "hsgd_agreed", False):  # raised on every rank, agreed
             if comm.Get_rank() == 0:
                 print(f"python -m hsgd.train: error: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT

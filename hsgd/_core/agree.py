@@ -36,7 +36,7 @@ def agree(comm, error: Optional[InputError]) -> None:
 
 
 def collective_error(cls, message: str) -> Exception:
-    """An exception marked as raised on every rank alike (``exc.hsgd_agreed``).
+    """An exception marked as raised on every rank (``exc.hsgd_agreed``).
 
     Entry points exit cleanly on a marked exception (every rank has it) and
     abort the MPI job on an unmarked one (it may be on this rank alone).

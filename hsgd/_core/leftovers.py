@@ -1,22 +1,16 @@
 """Nothing left behind: unlink the files MPI would leave after an abnormal end.
 
-MPICH keeps one shared-memory segment per node and job, ``/dev/shm/mpich_shm_*``
-(about 2 MB), under its name until ``MPI_Finalize``; its launcher's proxy
-keeps ``hydra_hwloc_xmlfile_*`` in the temporary directory. A job that ends
-any other way (an exception and ``MPI_Abort``, a killed rank, a killed
-launcher) leaves both, and on a cluster node they pile up until reboot.
-Every rank maps the segment during ``MPI_Init`` and the proxy holds its
-file open, so once every rank is past initialisation (a barrier) the names
-are no longer needed: :func:`unlink_mpi_files` removes them then, and the
-memory and the file go away with the last process that uses them, however
-the job ends. MPICH's own clean-up at ``MPI_Finalize`` tolerates the
-missing names. Only files of this job are touched: segments this process
-maps, and the file its own launcher proxy holds open.
+MPICH keeps a shared-memory segment per node and job, ``/dev/shm/mpich_shm_*``,
+under its name until ``MPI_Finalize``, and its launcher's proxy keeps
+``hydra_hwloc_xmlfile_*`` in the temporary directory; a job that ends any other way
+leaves both, and on a cluster node they pile up until reboot. Once every rank is
+past initialisation (a barrier) the names are no longer needed, so
+:func:`unlink_mpi_files` removes them then; the memory and file go with the last
+process that uses them. Only this job's files are touched.
 
-If a whole node dies, nothing on it can run: a site epilog should remove
-``/dev/shm/mpich_shm_*``, ``/dev/shm/sm_segment.*`` (Open MPI) and
-``$TMPDIR/hydra_hwloc_xmlfile_*`` owned by the job's user.
-``HSGD_UNLINK_MPI_FILES=0`` turns this off.
+If a whole node dies, a site epilog should remove ``/dev/shm/mpich_shm_*``,
+``/dev/shm/sm_segment.*`` (Open MPI) and ``$TMPDIR/hydra_hwloc_xmlfile_*`` owned by
+the job's user. ``HSGD_UNLINK_MPI_FILES=0`` turns this off.
 """
 
 from __future__ import annotations

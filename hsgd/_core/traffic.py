@@ -1,17 +1,11 @@
 """Bytes moved by a synchronization mode, inside a node and across nodes, per rank.
 
-Counted where the data moves, from the sizes of the buffers involved, not
-measured on the wire:
-
-- ``intra_bytes``: bytes this rank copies between slots of *different*
-  local ranks in the shared window (reading another rank's slot into the
-  sum, writing the result into another rank's slot). A node mean over ``k``
-  ranks of an ``n``-byte buffer adds ``2 (k - 1) n / k`` per rank, the same
-  volume as an allreduce among ``k`` parties; one rank on a node adds 0.
-- ``inter_bytes``: bytes this rank sends across nodes. An allreduce of
-  ``n`` bytes among ``p`` parties counts ``2 (p - 1) n / p`` per party, what
-  the bandwidth-optimal algorithms of MPICH and Open MPI (reduce-scatter +
-  allgather) send for large buffers; for ``p = 2`` that is ``n``.
+Counted where the data moves, from the sizes of the buffers, not on the wire.
+``intra_bytes``: bytes this rank copies between slots of *different* local ranks in
+the shared window; a node mean over ``k`` ranks of ``n`` bytes adds ``2 (k - 1) n / k``
+per rank (as an allreduce among ``k``), one rank on a node adds 0. ``inter_bytes``:
+bytes this rank sends across nodes; an allreduce of ``n`` bytes among ``p`` parties
+counts ``2 (p - 1) n / p`` per party, what the bandwidth-optimal algorithms send.
 
 Example::
 

@@ -1,12 +1,9 @@
 """Waiting for MPI requests without holding a core: test, yield, then nap.
 
-A blocking ``MPI_Wait``/``MPI_Recv`` spins inside MPI. Where ranks share
-cores with each other or with the kernel's TCP stack (more ranks than cores,
-data-loader workers, emulated hosts), the spinning ranks take the cycles the
-transfer itself needs. Measured across two emulated hosts of 2 ranks on 2
-cores, 1 Gbit/s: a 16 MB exchange between the hosts' ranks took 267-394 ms
-with ``Sendrecv`` and 265-292 ms (the wire: 268 ms) with ``Isend``/``Irecv``
-tested between sleeps of 0.2 ms.
+A blocking ``MPI_Wait``/``MPI_Recv`` spins inside MPI. Where ranks share cores
+with each other or with the kernel's TCP stack (more ranks than cores, data-loader
+workers, emulated hosts), the spinning ranks take the cycles the transfer itself
+needs (measured: docs/benchmarks-appendix.md, "The cores, for exchanges of many MB").
 
 :func:`wait_all` tests the requests (which drives MPI's progress), yields the
 core for the first ``spins`` tests, then sleeps ``nap`` seconds between tests:

@@ -1,39 +1,16 @@
 """Binding parameters' gradients (or values) to this rank's shared slot.
 
-For a CPU parameter the slot *is* the storage: ``p.grad`` (or ``p.data``) is
-replaced by a view into the rank's slot of the shared window, so backward (or
-the optimizer step) writes straight into shared memory and averaging needs no
-copy in or out, the idea of DDP's ``gradient_as_bucket_view``. A parameter on
-another device (CUDA) is *staged*: copied into the slot before averaging and
-back after.
+For a CPU parameter the slot *is* the storage: ``p.grad`` (or ``p.data``) is a view
+into the rank's slot of the shared window, so backward (or the optimizer step) writes
+straight into shared memory and averaging needs no copy in or out (the idea of DDP's
+``gradient_as_bucket_view``). A parameter on another device (CUDA) is *staged*:
+copied into the slot before averaging and back after.
 
-Zeroing a gradient in shared memory is a memset of the whole model per step,
-and backward then adds its fresh gradient into it. ``zero_grad()``
-(``set_to_none=True``, torch's default) therefore sets CPU gradients to
-``None`` instead, as torch does, and a pre-hook on each parameter's
-gradient accumulator (it runs in ``backward()``, not in ``autograd.grad``)
-copies the fresh gradient into the slot and hands autograd a view of the
-slot as the new ``p.grad``: one copy, no memset, no addition. Once
-``p.grad`` is such a view, further backward passes accumulate into it in
-place. ``zero_grad(set_to_none=False)`` zeroes the slot and keeps the views.
-
-Users may also break a view (``zero_grad(set_to_none=True)`` on the model,
-or assigning ``p.grad``); :meth:`SlotBinding.gather` notices by comparing
-data pointers, copies the value in, and restores the view. A missing
-gradient (an unused branch) counts as zero.
-
-With ``flags=True`` (gradient binding) the slot also carries one "used" flag
-per parameter. A parameter counts as used on a rank when ``p.grad`` was
-written since the last zeroing: in place (backward accumulating into the
-view, or ``p.grad.copy_(g)`` from a hand-written estimator), by the hook
-(another tensor object over the same memory), or by assigning a new tensor
-(backward after the model's own ``zero_grad``). Each view is its own tensor
-over the shared memory with its own version counter, so an in-place write
-shows as a changed ``_version``; an assignment shows as another data pointer. The
-flags are averaged with the gradients, so after averaging every rank knows
-which parameters no rank used; those get ``p.grad = None``, as in
-single-process torch, and the optimizer leaves them alone (no momentum or
-weight decay step).
+Invariants: after :meth:`SlotBinding.gather` the slot holds every parameter's current
+gradient, whatever the user did to the views (a missing gradient counts as zero);
+with ``flags=True`` the slot carries one "used" flag per parameter, averaged with the
+gradients, and parameters no rank used get ``p.grad = None`` after averaging, as in
+single-process torch, so the optimizer leaves them alone.
 """
 
 from __future__ import annotations
@@ -99,6 +76,22 @@ class SlotBinding:
 
     The averager's layout holds one entry per parameter, in order, then (with
     ``flags=True``) one float32 entry of ``len(params)`` used-flags.
+
+    Zeroing a gradient in shared memory would be a memset of the whole model per step,
+    with backward then adding its fresh gradient into it. So ``zero_grad()``
+    (``set_to_none=True``, torch's default) sets CPU gradients to ``None``, and a
+    pre-hook on each parameter's gradient accumulator copies backward's fresh gradient
+    into the slot and hands autograd a view of the slot as the new ``p.grad``: one copy,
+    no memset, no addition (:meth:`_into_slot`; it runs in ``backward()``, not in
+    ``autograd.grad``). Once ``p.grad`` is such a view, further backward passes
+    accumulate into it in place. ``zero_grad(set_to_none=False)`` zeroes the slot and
+    keeps the views.
+
+    A parameter counts as used when ``p.grad`` was written since the last zeroing: in
+    place (backward accumulating into the view, or ``p.grad.copy_(g)``), by the hook
+    (another tensor over the same memory), or by assigning a new tensor. Each view is
+    its own tensor with its own version counter, so an in-place write shows as a changed
+    ``_version`` and an assignment as another data pointer (:meth:`gather`).
     """
 
     #: Device types whose tensors become views into the slot; any other is staged. The tests

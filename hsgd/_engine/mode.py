@@ -1,33 +1,17 @@
 """``SyncMode``: what every synchronization mode shares, in the manner of torch's ``ModelAverager``.
 
-A mode wraps an inner ``torch.optim`` optimizer (composition, not a
-generated subclass) and keeps the ranks' replicas of one model in step. The
-base class is thin: it checks and agrees, wraps, and owns the life cycle;
-the machinery is the family's *engine* (:mod:`hsgd._engine.engine`).
+A mode wraps an inner ``torch.optim`` optimizer (composition, not a generated
+subclass) and keeps the ranks' replicas of one model in step. The base class checks
+and agrees, wraps, and owns the life cycle; the machinery is the family's *engine*
+(:mod:`hsgd._engine.engine`). It *is* a ``torch.optim.Optimizer``
+(:class:`~hsgd._engine.optimizer.InnerOptimizer`), so torch's LR schedulers,
+``GradScaler`` and optimizer hooks take the mode itself.
 
-- construction, collective: the optimizer and model, and the mode's own
-  settings (:meth:`SyncMode._check`), are checked on every rank and agreed
-  on, so a bad value raises the same :class:`~hsgd.errors.InputError`
-  everywhere; the ranks' settings and models must match; parameters and
-  buffers are broadcast from rank 0; then :meth:`SyncMode._make_engine`
-  builds the engine, :attr:`SyncMode.engine`;
-- it *is* a ``torch.optim.Optimizer`` (:class:`~hsgd._engine.optimizer.InnerOptimizer`),
-  so torch's LR schedulers, ``GradScaler`` and optimizer hooks take the mode itself;
-- ``step(closure)`` runs the closure, then the mode's :meth:`SyncMode._step`,
-  watched by the stall inspector; under ``GradScaler.step()``
-  (``_step_supports_amp_scaling``) the gradients are unscaled by the mode and
-  a non-finite one skips the inner step, so the scaler never leaves one rank
-  out of a collective ``step()``;
-- ``traffic``, ``on_phase``, ``close()`` and the context manager go to the engine.
-
-A subclass sets ``name`` (its ``--sync`` choice in the trainer), whether
-``replicas_differ`` (the ranks' models differ between averagings, so that
-evaluation and checkpoints must average them), ``lockstep`` (``step()`` is
-collective, so a caller may add collectives between steps), ``balances`` (its
-averages weight ranks by :attr:`SyncMode.batch_shares`) and ``finite_guard``
-(:meth:`SyncMode.gradients_finite` tells, the same on every rank, whether the
-averaged gradients are finite), and implements ``_check``, ``_make_engine``
-and ``_step``. Nothing outside a mode branches on its name.
+Invariants: construction is collective, and its checks are agreed on, so a bad value
+raises the same :class:`~hsgd.errors.InputError` on every rank; parameters and buffers
+are broadcast from rank 0; under ``GradScaler.step()`` a non-finite gradient skips the
+inner step on every rank, so the scaler never leaves one rank out of a
+collective ``step()``; nothing outside a mode branches on its name.
 """
 
 from __future__ import annotations
@@ -134,11 +118,12 @@ class SyncMode(InnerOptimizer, Closable):
         stall: the :class:`~hsgd.faults.stall.StallInspector` that watches this mode's waits.
     """
 
-    name: ClassVar[str] = ""
-    replicas_differ: ClassVar[bool] = False
-    lockstep: ClassVar[bool] = True
-    balances: ClassVar[bool] = False
-    finite_guard: ClassVar[bool] = False
+    # A subclass sets these and implements _check, _make_engine and _step.
+    name: ClassVar[str] = ""                # its --sync choice in the trainer
+    replicas_differ: ClassVar[bool] = False  # models differ between averagings: evaluation and checkpoints average them
+    lockstep: ClassVar[bool] = True         # step() is collective: a caller may add collectives between steps
+    balances: ClassVar[bool] = False        # its averages weight ranks by batch_shares
+    finite_guard: ClassVar[bool] = False    # gradients_finite() says (the same on every rank) if averages are finite
     # GradScaler.step() then always calls step(), with grad_scale and found_inf set on us
     _step_supports_amp_scaling: ClassVar[bool] = True
 
@@ -276,7 +261,8 @@ class SyncMode(InnerOptimizer, Closable):
     # override: torch overloads step() (no closure -> None, a closure -> float); one signature
     # with both cannot repeat the overloads
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
-        """Run ``closure`` (if any), then the mode's synchronized step. Collective."""
+        """Run ``closure`` (if any), then the mode's synchronized step (``_step``), watched by the
+        stall inspector. Collective."""
         self._check_open()
         loss = None
         if closure is not None:
@@ -296,7 +282,7 @@ class SyncMode(InnerOptimizer, Closable):
     def _unscale_local(self) -> None:
         """Under ``GradScaler.step()``: unscale this rank's own gradients, and skip the inner
         step if one is not finite (modes whose gradients are local; the scaler checked the
-        same gradients, so it skips its update alike)."""
+        same gradients, so it skips its update too)."""
         if not self._under_scaler:
             return
         inverse = self._amp_inverse_scale()

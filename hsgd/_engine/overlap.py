@@ -1,70 +1,18 @@
 """Averaging gradients while backward runs: ``HierarchicalSGD(overlap=True)``.
 
-The bound gradients are cut into *buckets* in reverse parameter order, the
-order backward produces them: the first bucket small (1 MB) so that averaging
-starts early, the others up to ``bucket_cap_mb``, as DDP does. Each bucket is
-one contiguous span of a segment of the rank's slot. A post-accumulate-grad
-hook on every parameter counts its backward passes; when every parameter of a
-bucket has its ``backward_passes_per_step``-th gradient, this rank has
-*written* the bucket.
+The bound gradients are cut into *buckets* in reverse parameter order, the order
+backward produces them (the first small so that averaging starts early, the others
+up to ``bucket_cap_mb``, as DDP's). A hook on every parameter counts its backward
+passes; a bucket is averaged once every local rank wrote it (:class:`_Pipeline`),
+its inter-node sums running in the background while backward goes on. At the end of
+the last backward pass the round completes, so ``backward()`` returns with the
+averaged gradients, as with DDP. Where it pays: docs/sync.md, docs/benchmarks.md.
 
-A bucket can be averaged once every local rank wrote it, so the ranks of a
-node meet on a *board* in a second shared window: ``board[r, stage, b] ==
-round`` says that local rank ``r`` finished ``stage`` of bucket ``b`` in this
-round (rounds count the averagings, so no flag is ever reset). The stages of
-a bucket:
-
-* one node: when every local rank wrote it, each rank averages its slice of the
-  bucket into every slot (``reduce_broadcast`` on the span);
-* ``sharded`` across nodes: each rank sums its slice into slot 0, allreduces
-  that slice with the ranks of its local index on the other nodes, and spreads
-  it: no local rank waits for another's slice;
-* ``leader``: each rank sums its slice into slot 0 and says so (``REDUCED``); the
-  leader, once every slice is in, allreduces the bucket with the other leaders
-  and says so (``CROSSED``); then each rank spreads its slice.
-
-The inter-node allreduce runs in the background (non-blocking sums,
-:func:`hsgd._transport.sums.start_sum`, in chunks of at most
-:data:`hsgd.inter_node.CHUNK_BYTES`, one bucket on the wire at a time):
-backward and the reduction of the next buckets go on while bucket i crosses.
-Over TCP a non-blocking allreduce moves only while its rank is inside MPI, so
-the hooks test it, and, where MPI allows calls from any thread
-(``MPI_THREAD_MULTIPLE``), a poller thread enters MPI every :data:`POLL_S`
-while one is under way and backward computes between hooks. Across two hosts
-at 1 Gbit/s (2 ranks each, the ``deep`` workload, 29.7 MB of gradients)
-``bucket_cap_mb=4`` took 311-319 ms a step against 341 ms without overlap;
-with the default 25 MB buckets the gradients come in three buckets, the big
-one at the end of backward, and overlap gains nothing (docs/benchmarks.md).
-
-At each hook a rank does what the board allows without waiting. The first
-hook of a backward pass queues a callback that autograd runs when the pass
-ends; at the end of the ``backward_passes_per_step``-th pass it completes the
-round: the buckets not yet written (a parameter this backward did not reach,
-an unused branch) are gathered and written, every stage is driven to the end,
-waiting on the board, the gradients get the result, and one fence keeps any
-rank from writing next round's gradients into a slot another rank still reads.
-So ``backward()`` returns with the averaged gradients, as with DDP: clipping
-after it clips the average, and a collective of the caller's after it cannot
-meet a rank still averaging. (A rank whose backward reached no parameter at
-all completes the round in ``step()``.) Level 2's MPI calls happen in bucket
-order on every rank, on buckets every rank of the node has written, so the
-waits inside backward form no cycle.
-
-Every element of a bucket is summed in the same order as without overlap, so
-inside a node the averages are the same to the last bit; across nodes MPI may
-pick another allreduce algorithm for a bucket than for the whole buffer, which
-can change the last bits.
-
-A bucket is written only when all its parameters are, and buckets are
-averaged in order: a parameter that backward reaches late (used first in
-forward but registered last, or unused on this rank) holds back the buckets
-after its own until the end of backward. That costs overlap, not correctness.
-
-Memory order: a rank publishes a flag after ``Win.Sync`` of both windows (its
-stores to the slots first) and reads the slots after seeing every flag and
-another ``Win.Sync``: MPI's memory barrier on a shared window. Hooks of CUDA
-parameters run on autograd's device threads: a lock serializes them, and MPI
-must allow calls from them (``MPI_THREAD_SERIALIZED``, checked).
+Invariants: every element is summed in the same order as without overlap, so inside
+a node the averages are the same to the last bit (across nodes MPI may pick another
+allreduce algorithm per bucket); level 2's MPI calls happen in bucket order on every
+rank, on buckets every rank of the node has written, so waits in backward form no
+cycle; a parameter reached late holds back later buckets: overlap lost, not correctness.
 """
 
 from __future__ import annotations
@@ -100,7 +48,21 @@ class _Stage(NamedTuple):
 
 
 class _Pipeline:
-    """The board and the per-bucket stages of one averager (see the module doc)."""
+    """The board and the per-bucket stages of one averager.
+
+    The ranks of a node meet on a *board* in a second shared window: ``board[r, stage, b]
+    == round`` says that local rank ``r`` finished ``stage`` of bucket ``b`` in this round
+    (rounds count the averagings, so no flag is ever reset). The stages of a bucket: on one
+    node, once every local rank wrote it, each rank averages its slice into every slot;
+    ``sharded``, each rank sums its slice into slot 0, allreduces that slice with the ranks
+    of its local index on the other nodes and spreads it (no local rank waits for another's
+    slice); ``leader``, each rank sums its slice into slot 0 (``REDUCED``), the leader
+    allreduces the bucket once every slice is in (``CROSSED``), then each rank spreads its
+    slice. The allreduces run one bucket on the wire at a time, in bucket order.
+
+    Memory order: a rank publishes a flag after ``Win.Sync`` of both windows (its stores to
+    the slots first), and reads the slots after seeing every flag and another ``Win.Sync``.
+    """
 
     def __init__(self, averager, buckets: Sequence[Bucket], scale: float):
         self.averager = averager
@@ -242,6 +204,7 @@ class _Pipeline:
     def finish(self) -> None:
         """Drive every bucket to the end, then fence: the round is over on every local rank."""
         self.advance(block=True)
+        # Keeps any rank from writing next round's gradients into a slot another rank still reads.
         self.averager.timed("intra", self.averager.slots.fence)
         self.round += 1
         self._reset()
@@ -318,6 +281,7 @@ class BackwardOverlap:
                 return
             self.state = "open"
             if not self._queued:
+                # The first hook of a pass queues what autograd runs when the pass ends.
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
                 self._queued = True
             self._counts[i] += 1
@@ -360,7 +324,7 @@ class BackwardOverlap:
         passes than ``passes``), drive every bucket to the end, give the gradients the result."""
         with self._lock:
             for b in range(len(self.buckets)):
-                if not self._written[b]:
+                if not self._written[b]:  # a parameter this backward did not reach (an unused branch)
                     self._write(b)
             self.pipeline.finish()
             self.binding.scatter()

@@ -1,20 +1,15 @@
 """Reading row ranges of an HDF5 sample/label pair into preallocated buffers.
 
-:class:`H5Source` is the only code that reads the loader's file. Each call
-of :meth:`H5Source.read` reads one contiguous row range of x and of y.
-
-Uncompressed data sets are read *directly*: HDF5 reports where their bytes
-live in the file (``H5Dget_offset`` for contiguous layout, the chunk index for
-chunked layout with whole-sample chunks), so a row range is one
-``os.preadv`` per run of adjacent chunks, straight into the buffer. That
-skips HDF5's per-call overhead (measured 2-3x faster than ``read_direct``
-from the page cache) and releases the GIL while reading, so the consumer's
-Python code runs meanwhile. The same byte ranges feed
-``posix_fadvise(WILLNEED)``, letting the kernel fetch the next window while
-the current one is shuffled. Compressed or filtered data, non-native byte
-order, external or virtual storage, and unallocated chunks go through h5py's
-``read_direct``. A direct reader checks itself against h5py on the first and
-last rows when it is built, and falls back to h5py on any difference.
+:class:`H5Source` is the only code that reads the loader's file; each call of
+:meth:`H5Source.read` reads one contiguous row range of x and of y. Uncompressed data
+sets are read *directly*: HDF5 reports where their bytes live in the file
+(``H5Dget_offset`` for contiguous layout, the chunk index for chunked layout with
+whole-sample chunks), so a row range is one ``os.preadv`` per run of adjacent chunks,
+straight into the buffer. That skips HDF5's per-call overhead and releases the GIL
+while reading; the same byte ranges feed ``posix_fadvise(WILLNEED)``. Compressed or
+filtered data, non-native byte order, external or virtual storage and unallocated
+chunks go through h5py's ``read_direct``. A direct reader checks itself against h5py
+on the first and last rows when it is built, and falls back to h5py on any difference.
 """
 
 from __future__ import annotations

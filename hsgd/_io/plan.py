@@ -1,41 +1,18 @@
 """Which samples each rank reads in an epoch, and in which order: pure arithmetic.
 
-Many small scattered reads are what make training input slow on parallel
-file systems (the HSGD paper's I/O argument). :func:`plan_epoch` therefore
-turns an epoch into a short list of large contiguous reads per rank, while
-keeping the sample order random and every rank's batch count equal. It is a
-pure function of ``(num_samples, world_size, rank, batch_size, block_size,
-seed, epoch, ...)``: every rank computes every rank's plan without talking to
-the others, and tests can simulate any world size in one process.
+Many small scattered reads make training input slow on parallel file systems (the
+HSGD paper's I/O argument): :func:`plan_epoch` turns an epoch into a short list of
+large contiguous reads per rank, the sample order random, every rank's batch count equal.
 
-The design, in four steps:
-
-1. **Blocks.** The samples are cut into blocks of ``block_size`` consecutive
-   samples (the last block may be shorter).
-2. **Stream.** Each epoch the blocks are permuted by a generator seeded with
-   ``(seed, epoch)`` (the same on every rank), laid end to end, and the
-   result is rotated by a random sample offset, so that rank boundaries move
-   between epochs even when there are only a few blocks. ``shuffle=False``
-   keeps file order and no rotation.
-3. **Dealing.** Rank ``r`` takes the contiguous stream range
-   ``[r * n, (r + 1) * n)``; every rank gets the same ``n``, a multiple of
-   ``batch_size`` (see :func:`rank_range`). The range becomes *segments*: file
-   row ranges, each inside one block, one read each. Only the ends of a
-   rank's range, the rotation point and the data set's short last block give
-   segments shorter than a block.
-4. **Windows.** A rank's segments are grouped ``window_blocks`` at a time. A
-   window is read, its samples are shuffled (``torch.randperm`` seeded with
-   ``(seed, epoch, rank, window)``), and the result is cut into batches; a
-   batch may span two windows. By default a window is the fewest blocks
-   that hold 1024 samples, at most 16 MiB (:func:`default_window_blocks`).
-
-Over an epoch the ranks' samples together are a permutation of the data set,
-except for the remainder: with ``drop_last=True`` the last
-``N - world_size * n`` stream positions (different samples every epoch) are
-dropped; with ``drop_last=False`` the stream wraps around and its first
-``world_size * n - N`` samples are seen twice. ``pad=False`` (evaluation)
-gives every sample exactly once and lets ranks' counts differ (by at most one
-sample, hence one batch).
+Invariants: a plan is a pure function of ``(num_samples, world_size, rank,
+batch_size, block_size, seed, epoch, ...)``, so every rank computes every rank's plan
+without talking to the others, and tests can simulate any world size in one process.
+Over an epoch the ranks' samples together are a permutation of the data set, except
+for the remainder: ``drop_last=True`` drops the last ``N - world_size * n`` stream
+positions (different samples every epoch); ``drop_last=False`` wraps around, so the
+stream's first ``world_size * n - N`` samples are seen twice; ``pad=False``
+(evaluation) gives every sample exactly once and lets ranks' counts differ by at most
+one sample, hence one batch.
 """
 
 from __future__ import annotations
@@ -214,8 +191,8 @@ class EpochPlan:
     def window_order(self, window: int) -> np.ndarray:
         """Positions in the window's read buffer, in yield order.
 
-        ``torch.randperm`` (2-3x faster than numpy's permutation, which cost
-        more than reading the window) seeded from ``(seed, epoch, rank, window)``.
+        ``torch.randperm`` (faster than numpy's permutation, which cost more than reading
+        the window) seeded from ``(seed, epoch, rank, window)``.
         """
         size = self.window_size(window)
         if not self.shuffle:
@@ -257,7 +234,25 @@ def plan_epoch(num_samples: int, world_size: int, rank: int, batch_size: int,
                block_size: int, seed: int = 0, epoch: int = 0, drop_last: bool = True,
                *, shuffle: bool = True, pad: bool = True,
                window_blocks: int = 4, shares=None) -> EpochPlan:
-    """Plan rank ``rank``'s reads and sample order for ``epoch`` (module docstring).
+    """Plan rank ``rank``'s reads and sample order for ``epoch``, in four steps.
+
+    1. **Blocks.** The samples are cut into blocks of ``block_size`` consecutive samples
+       (the last block may be shorter).
+    2. **Stream.** Each epoch the blocks are permuted by a generator seeded with
+       ``(seed, epoch)`` (the same on every rank), laid end to end, and the result is
+       rotated by a random sample offset, so that rank boundaries move between epochs
+       even when there are only a few blocks. ``shuffle=False`` keeps file order and no
+       rotation.
+    3. **Dealing.** Rank ``r`` takes the contiguous stream range ``[r * n, (r + 1) * n)``;
+       every rank gets the same ``n``, a multiple of ``batch_size`` (:func:`rank_range`).
+       The range becomes *segments*: file row ranges, each inside one block, one read
+       each. Only the ends of a rank's range, the rotation point and the data set's short
+       last block give segments shorter than a block.
+    4. **Windows.** A rank's segments are grouped ``window_blocks`` at a time. A window is
+       read, its samples are shuffled (``torch.randperm`` seeded with ``(seed, epoch,
+       rank, window)``), and the result is cut into batches; a batch may span two
+       windows. The loader's default window is the fewest blocks that hold 1024 samples,
+       at most 16 MiB (:func:`default_window_blocks`).
 
     Example::
 

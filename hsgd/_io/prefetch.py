@@ -1,32 +1,18 @@
 """Reading an :class:`~hsgd._io.plan.EpochPlan` window by window, in the background.
 
 :func:`iter_windows` reads each window's segments with
-:meth:`~hsgd._io.h5source.H5Source.read` (one contiguous row range each,
-straight into a preallocated buffer), asks the kernel to start on the next
-window, shuffles, and yields the window's batches; :class:`Prefetcher` runs
-it in a daemon thread, at most ``prefetch`` windows ahead of the consumer.
+:meth:`~hsgd._io.h5source.H5Source.read` (one contiguous row range each, straight into
+a preallocated buffer), asks the kernel to start on the next window, shuffles, and
+yields the window's batches; :class:`Prefetcher` runs it in a daemon thread, at most
+``prefetch`` windows ahead of the consumer.
 
-Buffers: every window gets its own output array and batches are views of it
-(``torch.from_numpy`` and one ``split``, no further copy). An array is
-refilled only when no batch of it is alive any more (:class:`_BufferPool`),
-so a batch is never overwritten and stays valid for as long as the caller
-holds it. With ``shuffle=True`` the window is first read into one reused
-scratch buffer and then gathered into the output in shuffled order
-(``torch.index_select``, one copy); with ``shuffle=False`` it is read
-directly into the output. A batch that spans two windows copies the first
-window's tail (fewer than ``batch_size`` samples).
+Invariant: a batch is a view of its window's array, refilled only when no batch of it
+is alive any more (:class:`_BufferPool`): a batch stays valid while the caller holds it.
 
-Direct reads (``os.preadv``) and the shuffle release the GIL. So do h5py's
-reads (compressed data, labels stored other than as int64), but they hold
-h5py's global lock, so they do not overlap with the consumer's own h5py
-calls. The shuffle runs on torch's intra-op threads: under MPI, set
-``OMP_NUM_THREADS`` (or ``torch.set_num_threads``) to the cores per rank,
-since oversubscribed threads made it several times slower in our
-measurements.
-
-Interpreter exit: a loader that was never closed leaves its thread running,
-possibly inside HDF5. :func:`_stop_all_at_exit` stops it before h5py's own
-exit hook touches HDF5 (see there).
+Direct reads (``os.preadv``) and the shuffle release the GIL; h5py's reads hold h5py's
+global lock. The shuffle runs on torch's intra-op threads: under MPI, set
+``OMP_NUM_THREADS`` (or ``torch.set_num_threads``) to the cores per rank, since
+oversubscribed threads made it several times slower.
 """
 
 from __future__ import annotations
@@ -114,6 +100,14 @@ def iter_windows(source: H5Source, plan, start_batch: int = 0, with_indices: boo
     """Yield, per window, the list of batches ``(x, y[, idx])`` it completes.
 
     ``keep_buffers``: output arrays kept for reuse (windows in flight + 2).
+
+    With ``shuffle=True`` a window is first read into one reused scratch buffer and then
+    gathered into its output array in shuffled order (``torch.index_select``, one copy);
+    with ``shuffle=False`` it is read directly into the output. Batches are
+    ``torch.from_numpy`` views and one ``split``, no further copy; a batch that spans two
+    windows copies the first window's tail (fewer than ``batch_size`` samples). A loader
+    that was never closed leaves its thread running at interpreter exit, possibly inside
+    HDF5: :func:`_stop_all_at_exit` stops it before h5py's own exit hook touches HDF5.
     """
     batch = plan.batch_size
     largest = max((plan.window_size(w) for w in range(plan.num_windows)), default=0)

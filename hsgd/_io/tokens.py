@@ -1,28 +1,14 @@
 """Byte-level token data for language modelling: a text corpus cut into blocks.
 
-A token is a byte (vocabulary 256). The corpus is the files' bytes
-concatenated in the order given (for the default corpus: the running Python's
-standard-library sources, :func:`stdlib_files`), cut after ``max_bytes``.
-With ``B`` the block size and ``L`` the corpus length there are
-``N = (L - 1) // B`` blocks; block ``i`` is ``x = corpus[i*B : (i+1)*B]`` and its
-next-token targets ``y = corpus[i*B + 1 : (i+1)*B + 1]`` (x shifted by one).
-
-Split: a seeded random choice of ``round(val_fraction * N)`` whole blocks (at
-least one) is the validation split, the rest is training. Training blocks are
-written in a seeded random order (the loader shuffles within windows of
-blocks, so the file itself should not be sorted by source file), validation
-blocks in corpus order. Layout, ``T = B``::
-
-    x_train, y_train   (N_train, B) uint8     x_test, y_test   (N_val, B) uint8
-    block_train        (N_train,) int64       block_test       (N_val,) int64
-    files              (F,) str: the files read, relative to attribute ``root`` if set
-
-``block_*[k]`` is row k's block index in the corpus: ``x_train[k] ==
-corpus[B*block_train[k] : B*block_train[k] + B]``. Attributes: ``kind="tokens"``,
-``vocab_size=256``, ``block_size``, ``val_fraction``, ``seed``,
-``source`` (``"stdlib"`` or ``"files"``), ``root``, ``num_files``,
-``corpus_bytes`` (bytes read, after ``max_bytes``), ``sha256`` (of those
-bytes), and for the standard library ``python_version``.
+A token is a byte (vocabulary 256). The corpus is the files' bytes concatenated in
+the order given (for the default corpus: the running Python's standard-library
+sources, :func:`stdlib_files`), cut after ``max_bytes``. With ``B`` the block size and
+``L`` the corpus length there are ``N = (L - 1) // B`` blocks; block ``i`` is ``x =
+corpus[i*B : (i+1)*B]`` and its next-token targets ``y = corpus[i*B + 1 : (i+1)*B + 1]``.
+A seeded random choice of ``round(val_fraction * N)`` whole blocks (at least one) is the
+validation split. Training blocks are written in a seeded random order (the loader
+shuffles within windows, so the file should not be sorted by source file), validation
+blocks in corpus order. The file's layout: :func:`write_tokens`.
 """
 
 from __future__ import annotations
@@ -123,7 +109,18 @@ def write_tokens(path, files: Sequence[str], *, root=None, block_size: int = 256
                  seed: int = 0, max_bytes: Optional[int] = None, compress: bool = False,
                  source: str = "files") -> Path:
     """Write the token blocks of ``files`` (relative to ``root`` if given) to ``path``
-    atomically, in the layout of the module docstring."""
+    atomically. Layout, ``B`` the block size::
+
+        x_train, y_train   (N_train, B) uint8     x_test, y_test   (N_val, B) uint8
+        block_train        (N_train,) int64       block_test       (N_val,) int64
+        files              (F,) str: the files read, relative to attribute ``root`` if set
+
+    ``block_*[k]`` is row k's block index in the corpus: ``x_train[k] ==
+    corpus[B*block_train[k] : B*block_train[k] + B]``. Attributes: ``kind="tokens"``,
+    ``vocab_size=256``, ``block_size``, ``val_fraction``, ``seed``, ``source``
+    (``"stdlib"`` or ``"files"``), ``root``, ``num_files``, ``corpus_bytes`` (bytes read,
+    after ``max_bytes``), ``sha256`` (of those bytes), and for the standard library
+    ``python_version``."""
     if not files:
         raise InputValueError("no text files to read; pass FILES or leave them out for the "
                               "standard library's sources")

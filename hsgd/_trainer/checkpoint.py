@@ -1,15 +1,11 @@
 """Checkpoints: written atomically by rank 0, loaded safely, shared with all ranks.
 
-A checkpoint is one ``torch.save`` file ``ckpt-<step>.pt`` holding a dict of
-tensors and plain values (model, optimizer, scheduler, loader position, RNG
-states of every rank, step, epoch, config). Writing goes to a temporary file
-in the same directory, then ``os.replace``: a crash (even SIGKILL in the
-middle of the write) never leaves a torn checkpoint under a checkpoint's
-name, and the next save removes the partial temporary file. Loading uses
-``torch.load(..., weights_only=True)``, which refuses arbitrary pickled
-objects and reads every tensor, so a damaged file (truncated, overwritten)
-fails to load: :func:`newest_loadable` then falls back to the newest older
-checkpoint that loads. Only the newest ``keep`` checkpoints stay.
+A checkpoint is one ``torch.save`` file ``ckpt-<step>.pt`` holding a dict of tensors and
+plain values (model, optimizer, scheduler, loader position, RNG states of every rank,
+step, epoch, config). Invariants: a crash, even SIGKILL in the middle of a write, never
+leaves a torn checkpoint under a checkpoint's name (:func:`save_checkpoint`); a damaged
+file fails to load, and :func:`newest_loadable` then falls back to the newest older one
+that loads; only the newest ``keep`` checkpoints stay.
 
 Example::
 
@@ -57,7 +53,9 @@ def save_checkpoint(directory, state: dict, step: int, keep: int = DEFAULT_KEEP)
 
     Checkpoints of later steps than ``step`` belong to an abandoned run (this
     one resumed from an earlier checkpoint) and are removed, so that
-    :func:`latest_checkpoint` always finds this run's newest.
+    :func:`latest_checkpoint` always finds this run's newest. Writing goes to a temporary
+    file in the same directory, then ``os.replace``; the next save removes a partial
+    temporary file.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -128,7 +126,8 @@ def newest_loadable(directory) -> Tuple[Optional[Path], Optional[dict], List[str
 
 
 def load_checkpoint(path) -> dict:
-    """Load a checkpoint onto the CPU with ``weights_only=True``.
+    """Load a checkpoint onto the CPU with ``weights_only=True``, which refuses arbitrary
+    pickled objects and reads every tensor, so a truncated or overwritten file fails here.
 
     Raises ``FileNotFoundError`` (:class:`~hsgd.errors.InputFileNotFoundError`) when there is no
     such file, and ``ValueError`` saying what is wrong when the file is not a checkpoint written

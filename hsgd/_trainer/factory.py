@@ -1,29 +1,15 @@
 """``--model package.module:factory``: your own model in the trainer.
 
-Every rank imports ``package.module`` (from ``sys.path``: the working
-directory, ``PYTHONPATH``, installed packages), looks up ``factory`` (a dotted
-path such as ``Models.small`` works too) and calls it once, after
-``torch.manual_seed(--seed)``, as::
-
-    factory(sample_shape=(...), num_classes=N)
-
-* ``sample_shape``: one sample's shape as stored (the x data set's shape
-  without its first axis), a tuple of ints;
-* ``num_classes``: for classification the number of classes (1 + the
-  largest training label); for token data the vocabulary size (256).
-
-It returns a ``torch.nn.Module`` with trainable parameters. The data says
-which task the model runs (:mod:`hsgd._trainer.tasks`): a file written by
-``python -m hsgd.data text`` (attribute ``kind="tokens"``) is language
-modelling, the model mapping ``(B, T)`` int64 tokens to ``(B, T, num_classes)``
-logits; any other file is classification, ``(B, *sample_shape)`` float32 to
-``(B, num_classes)`` logits.
+Every rank imports ``package.module`` (from ``sys.path``: the working directory,
+``PYTHONPATH``, installed packages), looks up ``factory`` (a dotted path such as
+``Models.small`` works too) and calls it once, after ``torch.manual_seed(--seed)``, as
+``factory(sample_shape=(...), num_classes=N)`` (:func:`build_from_factory`). It
+returns a ``torch.nn.Module`` with trainable parameters.
 
 Whatever goes wrong (no colon, a module that cannot be imported, a missing or
-uncallable attribute, a factory that raises, returns something else than a
-module, or a module without trainable parameters) raises an
-:class:`~hsgd.errors.InputValueError` saying what to change; the trainer agrees
-on it over the ranks and prints it once.
+uncallable attribute, a factory that raises or returns something else than a module
+with trainable parameters) raises an :class:`~hsgd.errors.InputValueError` saying what
+to change; the trainer agrees on it over the ranks and prints it once.
 """
 
 from __future__ import annotations
@@ -100,7 +86,15 @@ def load_factory(spec: str):
 
 
 def build_from_factory(spec: str, sample_shape: Sequence[int], num_classes: int) -> nn.Module:
-    """``factory(sample_shape=..., num_classes=...)`` checked: a module with trainable parameters."""
+    """``factory(sample_shape=..., num_classes=...)`` checked: a module with trainable parameters.
+
+    ``sample_shape``: one sample's shape as stored (the x data set's shape without its
+    first axis), a tuple of ints. ``num_classes``: for classification the number of
+    classes (1 + the largest training label); for token data the vocabulary size (256).
+    The data says which task the model runs (:mod:`hsgd._trainer.tasks`): a file written
+    by ``python -m hsgd.data text`` (``kind="tokens"``) is language modelling, the model
+    mapping ``(B, T)`` int64 tokens to ``(B, T, num_classes)`` logits; any other file is
+    classification, ``(B, *sample_shape)`` float32 to ``(B, num_classes)`` logits."""
     factory = load_factory(spec)
     call = f"{spec.partition(':')[2]}(sample_shape={tuple(sample_shape)}, num_classes={num_classes})"
     try:

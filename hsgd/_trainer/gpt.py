@@ -1,17 +1,12 @@
 """``--model gpt``: a small decoder-only transformer over byte tokens (nanoGPT's layout).
 
-Token and position embeddings, ``n_layer`` pre-LayerNorm blocks (causal
-self-attention through ``scaled_dot_product_attention(is_causal=True)``, then a
-GELU MLP of 4x width, each added to the residual stream), a final LayerNorm and
-a linear head to the vocabulary. Weights are initialized as in GPT-2 (normal,
-std 0.02, the residual projections scaled by ``1/sqrt(2 n_layer)``). The head
-is not tied to the token embedding: every parameter is its own tensor, as the
-modes' bindings and state dicts expect. No dropout.
-
-Input: ``(B, T)`` integer tokens with ``T <= block_size``; output: ``(B, T,
-vocab_size)`` logits, position ``t`` depending on tokens ``0..t`` only.
-
-Example::
+Token and position embeddings, ``n_layer`` pre-LayerNorm blocks (causal self-attention
+through ``scaled_dot_product_attention(is_causal=True)``, then a GELU MLP four times
+as wide, each added to the residual stream), a final LayerNorm and a linear head to the
+vocabulary, initialized as GPT-2 (normal, std 0.02, the residual projections scaled by
+``1/sqrt(2 n_layer)``). The head is not tied to the token embedding: every parameter
+is its own tensor, as the modes' bindings and state dicts expect. No dropout. ``(B, T)``
+integer tokens (``T <= block_size``) give ``(B, T, vocab_size)`` logits, causally::
 
     >>> model = GPT(GPTConfig(vocab_size=256, block_size=128))
     >>> model(torch.randint(0, 256, (2, 128))).shape

@@ -1,25 +1,11 @@
 """What the trainer does around its steps, besides the step itself: hooks.
 
 :class:`Hook` names the points of the loop (:mod:`hsgd._trainer.loop`) where one is
-called; each method does nothing unless overridden:
-
-- ``epoch_start(epoch, position)``: before an epoch's first step, or its rest after a
-  resume (``position``: the steps already done). Collective.
-- ``step_start()``: before a step's data.
-- ``step_end(step, run_steps)``: after the step and the LR schedule (``step``: the steps
-  done in the whole run, ``run_steps``: in this process); returns a reason to stop
-  (``"signal"``, ``"stop-after"``) or ``None``. Every hook is called, whatever another
-  returned: some are collective.
-- ``logged(record)``: a step record was written (every ``--log-every`` steps).
-- ``epoch_end(record, times, steps)``: the epoch ran to its end and was evaluated
-  (``times``: this rank's phase seconds, ``steps``: its steps).
-- ``close()``: the run is over.
-
-Every rank builds the same hooks in the same order, so that their collectives meet.
-The trainer's hooks: :class:`Straggler` (``--straggler``),
-:class:`~hsgd._trainer.balancing.Balancing` (``--balance``), the stop agreement
-(:mod:`hsgd._trainer.stopping`), :class:`StopAfter` (``--stop-after``) and
-:class:`~hsgd._trainer.progress.Progress`.
+called; each does nothing unless overridden. The trainer's hooks: :class:`Straggler`
+(``--straggler``), :class:`~hsgd._trainer.balancing.Balancing` (``--balance``), the stop
+agreement (:mod:`hsgd._trainer.stopping`), :class:`StopAfter` (``--stop-after``) and
+:class:`~hsgd._trainer.progress.Progress`. Every rank builds the same hooks in the
+same order, so that their collectives meet.
 """
 
 from __future__ import annotations
@@ -34,7 +20,20 @@ OWN_WORK = ("data", "compute")  # a step's own work: what --straggler stretches 
 
 
 class Hook:
-    """A no-op at every point of the loop; a hook overrides the points it needs."""
+    """A no-op at every point of the loop; a hook overrides the points it needs.
+
+    - ``epoch_start(epoch, position)``: before an epoch's first step, or its rest after a
+      resume (``position``: the steps already done). Collective.
+    - ``step_start()``: before a step's data.
+    - ``step_end(step, run_steps)``: after the step and the LR schedule (``step``: the
+      steps done in the whole run, ``run_steps``: in this process); returns a reason to
+      stop (``"signal"``, ``"stop-after"``) or ``None``. Every hook is called, whatever
+      another returned: some are collective.
+    - ``logged(record)``: a step record was written (every ``--log-every`` steps).
+    - ``epoch_end(record, times, steps)``: the epoch ran to its end and was evaluated
+      (``times``: this rank's phase seconds, ``steps``: its steps).
+    - ``close()``: the run is over.
+    """
 
     def epoch_start(self, epoch: int, position: int) -> None:
         pass

@@ -1,29 +1,18 @@
 """The training loop of ``python -m hsgd.train``: :class:`Trainer`, one per rank.
 
-Read top to bottom: :meth:`Trainer.run` runs epochs until the last one or a
-stop; :meth:`Trainer._run_epoch` runs steps; :meth:`Trainer._train_step` is
-one step (data, forward/backward, the synchronization mode's ``step()``, the
-LR schedule); what a batch is made into, its loss and its score are the task's
-(:mod:`hsgd._trainer.tasks`: classification or language modelling). Around
-the steps, the loop logs every ``--log-every`` steps and checkpoints every
-``--save-every``; everything else it does is a hook
-(:mod:`hsgd._trainer.hooks`): the straggler simulation, load balancing, the
-stop agreement (:mod:`hsgd._trainer.stopping`), ``--stop-after`` and the
-progress display. :meth:`Trainer._end_epoch` evaluates and writes the epoch
-record.
+Read top to bottom: :meth:`Trainer.run` runs epochs until the last one or a stop;
+:meth:`Trainer._run_epoch` runs steps; :meth:`Trainer._train_step` is one step (data,
+forward/backward, the synchronization mode's ``step()``, the LR schedule); what a batch
+is made into, its loss and its score are the task's (:mod:`hsgd._trainer.tasks`).
+Around the steps the loop logs every ``--log-every`` steps and checkpoints every
+``--save-every``; everything else is a hook (:mod:`hsgd._trainer.hooks`).
+:meth:`Trainer._end_epoch` evaluates and writes the epoch record.
 
-The trainer builds the stall inspector (``HSGD_STALL_*``) and hands it to the
-mode, so that one inspector watches the mode's waits and the trainer's own
-collectives (metrics, evaluation, checkpoints, the stop agreement): a lost host
-or a partition anywhere in the loop is reported, and ends the job after
-``HSGD_STALL_ABORT_AFTER``.
-
-Every method is collective, but inside an epoch the loop adds no collective
-of its own for a mode whose ranks do not step together (``opt.lockstep``
-false, the parameter box): its step records then carry rank 0's own loss
-and throughput (``"ranks": 1``), and the stop is agreed through remote
-memory. An epoch's end (its reduction, evaluation and checkpoint) and
-``--save-every`` are the points where all ranks meet.
+Invariants: every method is collective, but inside an epoch the loop adds no
+collective of its own for a mode whose ranks do not step together (``opt.lockstep``
+false): its step records carry rank 0's own loss and throughput (``"ranks": 1``), and
+the stop is agreed through remote memory. An epoch's end and ``--save-every`` are the
+points where all ranks meet.
 """
 
 from __future__ import annotations
@@ -66,6 +55,9 @@ class Trainer:
         self.topo, self.device, self.run_dir, self.ckpt_dir = setup(cfg, comm)
         self.is_main = self.topo.rank == 0
         self.amp = MixedPrecision(cfg.amp, self.device)
+        # The mode's too: one inspector watches the mode's waits and the trainer's own collectives
+        # (metrics, evaluation, checkpoints, the stop agreement), so a lost host or a partition
+        # anywhere in the loop is reported, and ends the job after HSGD_STALL_ABORT_AFTER.
         self.stall = StallInspector(self.topo.comm)  # the mode's too: one count of synchronizations
         self.train_loader, self.test_loader, self.task, self.model, self.opt, self.scheduler = \
             build(cfg, self.topo, self.device, self.stall)
@@ -160,7 +152,7 @@ class Trainer:
 
     def _check_finite(self, finite: bool) -> None:
         """Count steps skipped for NaN/Inf averaged gradients; stop after ``--nonfinite-limit`` in
-        a row. The gradients are the same on every rank, so every rank decides alike."""
+        a row. The gradients are the same on every rank, so every rank makes the same decision."""
         self._skipped = 0 if finite else self._skipped + 1
         if finite:
             return
@@ -253,7 +245,7 @@ def _fit_batch(model, opt, batch, device, clock, amp: MixedPrecision, task: Task
     samples, finite). ``task`` makes the inputs and the loss and scores the batch
     (:mod:`hsgd._trainer.tasks`). With ``average_first`` (a mode with ``gradients_finite``) the
     gradients are averaged, then unscaled (``--amp fp16``), and a step whose averages hold NaN or
-    Inf is not taken (``finite`` False), on every rank alike."""
+    Inf is not taken (``finite`` False), on every rank."""
     x, y = task.inputs(batch, device)
     # The optimizer update counts as compute; averaging (in backward with --overlap, else in
     # step()) is already in intra/inter.

@@ -1,14 +1,11 @@
 """Where the time goes: per-phase clocks, JSON-lines metrics and a Chrome trace.
 
-:class:`PhaseClock` accumulates the seconds a rank spends in each phase of a
-step (``data``, ``compute``, ``intra``, ``inter``, ``eval``) and, when asked,
-records every phase as a Chrome-trace "complete" event, so that
-``--timeline FILE`` shows all ranks' phases on one time axis in Perfetto
-(https://ui.perfetto.dev) or ``chrome://tracing``, as Horovod's timeline does.
-:class:`MetricsLog` appends JSON records to ``RUN_DIR/metrics.jsonl``; the
-record format is described in :mod:`hsgd.report`.
-
-Example::
+:class:`PhaseClock` accumulates the seconds a rank spends in each phase of a step
+(``data``, ``compute``, ``intra``, ``inter``, ``eval``) and, when asked, records every
+phase as a Chrome-trace "complete" event, so that ``--timeline FILE`` shows all ranks'
+phases on one time axis in Perfetto or ``chrome://tracing``, as Horovod's timeline
+does. :class:`MetricsLog` appends JSON records to ``RUN_DIR/metrics.jsonl`` (format:
+:func:`hsgd.report.load_run`). Example::
 
     >>> clock = PhaseClock(rank=0, trace=True)
     >>> with clock.phase("compute"):

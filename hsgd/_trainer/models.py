@@ -1,21 +1,10 @@
 """The trainer's models, built from the data's sample shape and class count (or vocabulary).
 
-* ``mlp``: the MNIST-1D paper's MLP (Greydanus 2020): flatten, two hidden
-  layers of 100 ReLU units (``width``).
-* ``cnn``: the MNIST-1D paper's CNN for 1-D signals: three ``Conv1d`` layers
-  of 25 channels (``width``; kernel 5 then 3 and 3, stride 2, padding 1, ReLU) and a
-  linear read-out. Samples are ``(L,)`` (one channel) or ``(C, L)``.
-* ``resnet``: a small ResNet for images (He et al. 2016, the CIFAR variant
-  with three stages of 16/32/64 channels (``width`` 16) and one basic block per stage).
-  Samples are ``(C, H, W)`` or ``(H, W, C)`` (channels-last is detected when
-  the last dimension is 1, 3 or 4 and the first is not).
-* ``gpt``: a small decoder-only transformer over byte tokens
-  (:mod:`hsgd._trainer.gpt`), for token data (``python -m hsgd.data text``);
-  ``--n-layer``, ``--n-head``, ``--n-embd``, ``--block-size`` (its context,
-  at most the data's blocks).
-* ``package.module:factory``: your own model (:mod:`hsgd._trainer.factory`).
-
-The first three classify (:data:`CLASSIFIERS`); ``gpt`` models language.
+``mlp`` (:class:`MLP`), ``cnn`` (:class:`ConvNet1d`) and ``resnet`` (:class:`ResNet`)
+classify (:data:`CLASSIFIERS`); ``gpt`` (:mod:`hsgd._trainer.gpt`) models language on
+token data (``python -m hsgd.data text``; ``--n-layer``, ``--n-head``, ``--n-embd``,
+``--block-size``, its context, at most the data's blocks); ``package.module:factory``
+is your own model (:mod:`hsgd._trainer.factory`).
 
 Example::
 
@@ -44,6 +33,9 @@ WIDTHS = {"mlp": 100, "cnn": 25, "resnet": 16}
 
 
 class MLP(nn.Module):
+    """``mlp``: the MNIST-1D paper's MLP (Greydanus 2020): flatten, two hidden layers of 100
+    ReLU units (``width``)."""
+
     def __init__(self, in_features: int, num_classes: int, hidden: int = 100):
         super().__init__()
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU(),
@@ -54,6 +46,10 @@ class MLP(nn.Module):
 
 
 class ConvNet1d(nn.Module):
+    """``cnn``: the MNIST-1D paper's CNN for 1-D signals: three ``Conv1d`` layers of 25
+    channels (``width``; kernel 5 then 3 and 3, stride 2, padding 1, ReLU) and a linear
+    read-out. Samples are ``(L,)`` (one channel) or ``(C, L)``."""
+
     def __init__(self, sample_shape: Sequence[int], num_classes: int, channels: int = 25):
         super().__init__()
         self.in_channels = 1 if len(sample_shape) == 1 else sample_shape[0]
@@ -86,6 +82,11 @@ class _Block(nn.Module):
 
 
 class ResNet(nn.Module):
+    """``resnet``: a small ResNet for images (He et al. 2016, the CIFAR variant with three
+    stages of 16/32/64 channels, ``width`` 16, and one basic block per stage). Samples are
+    ``(C, H, W)`` or ``(H, W, C)`` (channels-last is detected when the last dimension is
+    1, 3 or 4 and the first is not)."""
+
     def __init__(self, in_channels: int, num_classes: int, channels_last: bool,
                  widths: Sequence[int] = (16, 32, 64)):
         super().__init__()

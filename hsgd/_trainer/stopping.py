@@ -1,25 +1,13 @@
 """How the ranks agree to stop mid-epoch after SIGUSR1/SIGTERM, at one common step.
 
-A checkpoint holds one step count, one data position and one schedule for
-all ranks, and every collective after the stop (the last reduction, the
-checkpoint) must be reached by every rank, so all ranks stop after the same
-step. Two ways to agree, chosen by the mode's ``lockstep``:
-
-- :class:`CollectiveStop`, for modes whose ``step()`` is collective (the
-  ranks run in step anyway): an allreduce of the flag every
-  ``STOP_CHECK_STEPS`` steps.
-- :class:`RemoteStop`, for modes whose ranks never wait for each other (the
-  parameter box): no collective at all. A small
-  :class:`~hsgd.remote.memory.RemoteMemory` region on rank 0 holds the stop
-  step ``S`` (0: none yet) and the step at which each rank last looked.
-  Every ``STOP_CHECK_STEPS`` steps a rank takes the region's lock, reads
-  ``S`` and, if none is set, records its own step (a rank that got the
-  signal sets ``S``). A rank looks again at most ``STOP_CHECK_STEPS`` steps
-  after it recorded its step, so ``S = max(recorded steps, own step) +
-  STOP_CHECK_STEPS`` is a step that no rank has passed without seeing ``S``.
-
-Both also stop at an epoch's end: the epoch's last reduction carries every
-rank's flag (see :mod:`hsgd._trainer.loop`).
+A checkpoint holds one step count, one data position and one schedule for all ranks,
+and every collective after the stop (the last reduction, the checkpoint) must be
+reached by every rank, so all ranks stop after the same step. Two ways to agree,
+chosen by the mode's ``lockstep``: :class:`CollectiveStop`, for modes whose ``step()``
+is collective (an allreduce of the flag every ``STOP_CHECK_STEPS`` steps), and
+:class:`RemoteStop`, for modes whose ranks never wait for each other (no collective at
+all). Both also stop at an epoch's end: the epoch's last reduction carries every
+rank's flag (:mod:`hsgd._trainer.loop`).
 """
 
 from __future__ import annotations
@@ -72,6 +60,13 @@ class RemoteStop(_Stop):
 
     Construction and :meth:`close` are collective; ``step`` is the step count
     every rank starts from; ``stall``: the stall inspector under which the lock is a wait.
+
+    A small :class:`~hsgd.remote.memory.RemoteMemory` region on rank 0 holds the stop step
+    ``S`` (0: none yet) and the step at which each rank last looked. Every
+    ``STOP_CHECK_STEPS`` steps a rank takes the region's lock, reads ``S`` and, if none is
+    set, records its own step (a rank that got the signal sets ``S``). A rank looks again
+    at most ``STOP_CHECK_STEPS`` steps after it recorded its step, so ``S = max(recorded
+    steps, own step) + STOP_CHECK_STEPS`` is a step that no rank has passed without seeing ``S``.
     """
 
     def __init__(self, comm, signal, step: int, topology=None, stall=None):

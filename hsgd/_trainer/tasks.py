@@ -1,28 +1,16 @@
 """What the trainer does with a batch: classify it, or model its language.
 
-A :class:`Task` is the one place where the two workloads differ: how a batch
-from the loader becomes the model's input and target, the loss, what counts as
-correct, the synthetic batch of ``--balance``'s warm-up, the evaluation batch,
-and the fields of the epoch record. The loop, evaluation and load balancing
-call the task and never ask which one it is.
-
-* :class:`Classification`: x as float32, one integer label per sample,
-  ``cross_entropy(out, y)``, top-1 accuracy. Epoch records: ``train_loss``,
-  ``train_acc``, ``test_loss``, ``test_acc``.
-* :class:`LanguageModelling`: x and y as int64 tokens of shape ``(B, T)``
-  (y: the next token at every position), the cross-entropy over every
-  position, next-token accuracy. A block longer than the model's context is
-  cut into ``T // context`` contexts (the rest of the block is not used).
-  Epoch records add ``train_bpb`` and ``test_bpb``: bits per byte, the loss
-  in nats over ln 2 (one token is one byte).
-
-A batch's loss is the mean over its tokens (or samples); the sums behind the
-epoch means count in samples (contexts), each weighted by its mean, which is
-the mean over tokens since every context has the same length.
-
-:func:`choose_task` picks the task from the data (``kind="tokens"``, written
-by ``python -m hsgd.data text``, is language modelling; anything else is
+A :class:`Task` is the one place where the two workloads differ: how a batch from the
+loader becomes the model's input and target, the loss, what counts as correct, the
+synthetic batch of ``--balance``'s warm-up, the evaluation batch, and the fields of
+the epoch record. The loop, evaluation and load balancing call the task and never ask
+which one it is. :func:`choose_task` picks the task from the data (``kind="tokens"``,
+written by ``python -m hsgd.data text``, is language modelling; anything else is
 classification) and checks that ``--model`` fits it.
+
+A batch's loss is the mean over its tokens (or samples); the sums behind the epoch
+means count in samples (contexts), each weighted by its mean, which is the mean over
+tokens since every context has the same length.
 """
 
 from __future__ import annotations
@@ -43,7 +31,7 @@ __all__ = ["Task", "Classification", "LanguageModelling", "choose_task", "data_k
 
 
 class Task:
-    """The workload's side of a training step and of evaluation (module docstring)."""
+    """The workload's side of a training step and of evaluation (see the module docstring)."""
 
     #: what the model's output is scored against: classes or the vocabulary
     num_classes: int
@@ -82,7 +70,10 @@ class Task:
 
 
 class Classification(Task):
-    """One integer label per sample; inputs of any numeric dtype fed as float32, unscaled."""
+    """One integer label per sample; inputs of any numeric dtype fed as float32, unscaled.
+
+    ``cross_entropy(out, y)``, top-1 accuracy. Epoch records: ``train_loss``, ``train_acc``,
+    ``test_loss``, ``test_acc``."""
 
     def __init__(self, num_classes: int):
         self.num_classes = int(num_classes)
@@ -112,7 +103,13 @@ class Classification(Task):
 class LanguageModelling(Task):
     """Next-token prediction at every position of blocks of tokens; ``context``: the model's
     longest input (``None``: the whole block); ``block``: the data's block length, which sets
-    the evaluation batch to about 64 Ki tokens (the logits are tokens x vocabulary floats)."""
+    the evaluation batch to about 64 Ki tokens (the logits are tokens x vocabulary floats).
+
+    x and y are int64 tokens of shape ``(B, T)`` (y: the next token at every position); the
+    loss is the cross-entropy over every position, the score next-token accuracy. A block
+    longer than the model's context is cut into ``T // context`` contexts (the rest of the
+    block is not used). Epoch records add ``train_bpb`` and ``test_bpb``: bits per byte,
+    the loss in nats over ln 2 (one token is one byte)."""
 
     def __init__(self, vocab_size: int = VOCAB_SIZE, context: Optional[int] = None, block: int = 1):
         self.num_classes, self.context = int(vocab_size), context

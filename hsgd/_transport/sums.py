@@ -1,28 +1,11 @@
 """In-place sums across a communicator that reach the wire limit at any party count.
 
-Level 2 (:mod:`hsgd.inter_node`, through :mod:`hsgd.compression` too) sums
-each node's buffer over the leaders. ``MPI_Allreduce`` does that at the
-bandwidth-optimal ``2 (p-1)/p`` of the buffer per party when ``p`` is a
-power of two, but MPICH folds other counts onto the nearest power of two:
-the extra parties send their whole buffer to a partner and get the whole
-result back. Across three emulated hosts at 1 Gbit/s (``python -m hsgd.hosts
-run --hosts 3``, one rank each, TCP) a 16 MB ``MPI_Allreduce`` took 476-533 ms
-where the ring's wire limit is 186 ms;
-``MPI_Reduce_scatter_block`` then ``MPI_Allgather`` of the same buffer took
-193-215 ms, and at 4 MB 46-47 ms against a 46.6 ms limit. So for ``p`` not
-a power of two the sum is a reduce-scatter into a scratch block of about
-``n / p`` elements, then an allgather back into the buffer: the same bytes
-as a ring.
-
-The reduce-scatter is not ``MPI_Reduce_scatter`` either: below 512 KiB
-MPICH reduces-scatters by recursive halving, which folds again (3 hosts at
-100 Mbit/s, 500 KB: 110 ms against the ring's 56; 530 KB: 59 ms, where it
-switches to a pairwise exchange). So every party sends each other party its
-block (``MPI_Alltoallv``: the ring's bytes, ``(p-1)/p`` of the buffer) and
-reduces the ``p`` blocks it received in rank order (``MPI_Reduce_local``,
-which applies the 16-bit codecs' operations too), which took 55.6 ms at
-500 KB and 46.2 ms for 4 MiB at 1 Gbit/s (the ring's 46.6). The price is a
-scratch buffer of the buffer's size (the sums go in chunks of at most 4 MiB).
+Level 2 (:mod:`hsgd.inter_node`, through :mod:`hsgd.compression` too) sums each
+node's buffer over the leaders. For a party count that is a power of two (or 2) that
+is ``MPI_Allreduce``; otherwise (:func:`splits`) a reduce-scatter into a scratch block
+of about ``n / p`` elements, then an allgather back into the buffer: the same bytes
+as a ring, at the price of a scratch buffer of the buffer's size. Measurements:
+docs/benchmarks-appendix.md ("Three hosts: where ``MPI_Allreduce`` folds").
 
 :func:`sum_` blocks; :func:`start_sum` returns the steps as functions
 ``() -> request``, to be started one after another (the second needs the
@@ -88,6 +71,12 @@ def sum_(comm, array: np.ndarray, op=MPI.SUM, mpi_type: Optional[MPI.Datatype] =
     if not splits(comm):
         comm.Allreduce(MPI.IN_PLACE, _spec(array, mpi_type), op=op)
         return
+    # MPI_Allreduce is bandwidth-optimal (2 (p-1)/p of the buffer per party) only for a
+    # power-of-two p: MPICH folds other counts onto one, the extra parties sending their
+    # whole buffer to a partner and getting the whole result back. Hence reduce-scatter +
+    # allgather. The reduce-scatter is not MPI_Reduce_scatter either: below 512 KiB MPICH
+    # reduces-scatters by recursive halving, which folds again. So every party sends each
+    # other party its block (the ring's bytes, (p-1)/p of the buffer) and reduces what it got.
     counts, offsets, block = _blocks(comm, array)
     received, send, recv = _exchange(comm, array, mpi_type, counts, offsets)
     comm.Alltoallv(send, recv)

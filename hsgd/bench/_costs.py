@@ -1,75 +1,12 @@
 """An alpha-beta cost model of one step's communication, for clusters we cannot run here.
 
-Used by ``python -m hsgd.bench model``. Every function returns the seconds
-one step of a synchronization strategy spends communicating, for a model of
-``nbytes`` bytes on ``N`` nodes of ``k`` ranks each (``p = N k`` ranks), on
-a :class:`Machine`:
-
-- ``alpha``, ``B``: one MPI message's latency across nodes and one node's
-  network bandwidth (its NIC, each direction);
-- ``alpha_m``, ``B_m``: one MPI message between two ranks of one node
-  (MPI's shared-memory transport; default: the network's figures);
-- ``alpha_s``, ``B_s``: hsgd's level 1 in the shared window: the latency of
-  one round of a fence's barrier, and the rate at which one rank copies
-  between slots (bytes as :mod:`hsgd._core.traffic` counts ``intra_bytes``);
-- optional caps: ``S``, what one rank can drive through the NIC
-  (``stream_bandwidth``, default ``B``), and ``M``, the node's memory
-  bandwidth shared by its ``k`` ranks in level 1 (default: no cap);
-- ``eta`` (``fan_efficiency``, default 1): the fraction of ``B`` a node's
-  link delivers when streams from several nodes meet at it (every node
-  sending to several others at once: an all-to-all; TCP streams from
-  different senders share a link unevenly). ``python -m hsgd.bench model
-  --hosts N`` (N >= 3) measures it with a bare MPI exchange between the
-  hosts, not fitted to the strategies.
-
-A NIC carrying ``s`` streams at once gives each ``min(S, B / s)``; a
-message between two ranks of one node costs ``alpha_m + bytes / B_m``
-whatever the other ranks of the node do (memory contention is modelled
-only in level 1, by ``M``). The formulas, with ``ring(b, P, r) = 2 (P-1) alpha + 2 (P-1)/P *
-b / r`` (the bandwidth-optimal reduce-scatter + allgather, whose bytes
-:func:`hsgd._core.traffic.allreduce_bytes` counts) and ``hop(b)`` one
-ring step: ``max(alpha + b / min(S, B), alpha_m + b / B_m)`` across nodes
-(ranks placed in blocks of ``k``: one stream per NIC crosses the network
-while the on-node hops run beside it), ``alpha_m + b / B_m`` on one node::
-
-    fence(k)  = alpha_s * ceil(log2 k)                  # a dissemination barrier
-    level1    = F fence(k) + 2 (k-1)/k * nbytes / min(B_s, M / k)
-                # F = 2 on one node (the fused node mean), 4 across nodes
-                # (reduce to slot 0, then spread back); bytes as traffic.py counts
-    flat ring = 2 (p-1) hop(nbytes / p)
-    leader    = level1 + sum(nbytes, N, min(S, B))
-    sharded   = level1 + sum(nbytes / k, N, min(S, B / k))   # k sums share the NIC
-    sum(b, P, r) = ring(b, P, r), but for P > 2 not a power of two (hsgd's
-                # all-to-all reduce-scatter, then an allgather: hsgd._transport.sums)
-                # the reduce-scatter's (P-1)/P b move at eta r
-    gossip    = mean over the K = ceil(log2 p) rounds of the exponential graph of
-                alpha + rate * nbytes / min(S, B / s_j),
-                s_j = min(2^j, k) ranks per node talk off-node in round j,
-                or alpha_m + rate * nbytes / B_m where no rank leaves the node
-                (the larger of the two when both happen)
-    box       = 2 (N c alpha + k (N-1)/N nbytes / (e min(S, B)))  # alpha_m, B_m on one node
-                # e = eta from 3 nodes on (each node's ranks talk to N-1 owners), else 1
-                # AsyncSGD: accumulate, then read, the whole model; N owners (the
-                # leaders) each hold nbytes/N in c = ceil(nbytes / N / 1 MiB) chunks;
-                # out of a NIC go its k ranks' accumulates into the N-1 other owners
-                # and its owner's answers to the (N-1) k other ranks' reads:
-                # 2 k (N-1)/N nbytes, and as much comes in (ranks on the owner's
-                # node reach it through shared memory)
-
-With ``S = B`` leader and sharded cost the same here: sharded pays off only
-where one rank cannot fill the NIC (``stream_bandwidth < bandwidth``).
-``rate`` is gossip's fraction of rounds in which a rank sends its model
-(adaptive gossip; 1 = every step); a silent round still costs a latency
-(the 16-byte header). ElasticSGD with ``tau > 1`` costs ``box / tau``.
-
-What it ignores: contention beyond the NIC (switches, oversubscribed
-fabrics, congestion) other than ``eta``'s, overlap of communication with
-computation, MPI's protocol and algorithm switches (eager vs rendezvous;
-recursive doubling or Rabenseifner with ``2 log2 p`` latency terms instead
-of the ring's ``2 (p-1)``: the flat ring's latency is an upper bound at
-large ``p``),
-compute of the sums and of the scaling, operating-system noise, and
-oversubscribed cores (the validation here runs 4 ranks on 2 cores).
+Used by ``python -m hsgd.bench model``. Every strategy function returns the seconds one
+step spends communicating, for a model of ``nbytes`` bytes on ``N`` nodes of ``k`` ranks
+each, on a :class:`Machine`: the network's latency and bandwidth per node, MPI's inside
+a node, hsgd's level 1 in the shared window, optional caps on one rank's stream and
+the node's memory, and ``eta``, the fraction of the link delivered when streams from
+several nodes meet at it. The formulas and what the model ignores are in
+docs/benchmark-methods.md ("The cost model's formulas").
 
 Example::
 

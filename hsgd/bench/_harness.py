@@ -1,14 +1,11 @@
 """What every benchmark shares: repeats after a warm-up, tables, JSON, progress, option types.
 
-- :func:`repeat` runs a measurement ``warmup`` times untimed, then
-  ``repeats`` times, and returns every timed result (the raw data); tables
-  show the :func:`statistics.median` of those.
-- :class:`Table` is one markdown table with a title and notes; a
-  subcommand's ``run`` returns a :class:`Result`: its tables and its raw
-  measurements, which ``--json PATH`` writes with the settings
-  (:func:`write_json`).
-- :class:`Progress` shows a long run's steps on stderr: a tqdm bar on a
-  terminal, else one line per step.
+:func:`repeat` runs a measurement ``warmup`` times untimed, then ``repeats`` times, and
+returns every timed result (the raw data); tables show their median. :class:`Table` is
+one markdown table with a title and notes; a subcommand's ``run`` returns a
+:class:`Result`, its tables and raw measurements, which ``--json PATH`` writes with the
+settings (:func:`write_json`). :class:`Progress` shows a long run's steps on stderr: a
+tqdm bar on a terminal, else one line per step.
 
 Example::
 

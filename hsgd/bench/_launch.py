@@ -1,19 +1,14 @@
 """Starting a benchmark's MPI jobs: on this host or across emulated hosts.
 
-The subcommands that measure on several ranks run ``python -m hsgd.bench``
-itself under ``mpiexec`` (:func:`run_workers`): every rank re-parses the
-same options and calls the subcommand's ``worker(args)``; rank 0 writes
-what it returns to a JSON file that the launching process reads back. The
-training benchmarks run ``python -m hsgd.train`` the same way
-(:func:`job`, :func:`run_job`).
-
-The ``mpiexec`` command line for MPICH and Open MPI, the jobs' environment
-(unbuffered, ``OMP_NUM_THREADS=1`` but for the trainer's runs, Open MPI
-allowed as root) and the timeout that kills a job whole, ranks included,
-are :mod:`hsgd.hosts._launcher`'s, the launcher the tests use too. With
-``--hosts`` (:func:`add_hosts_options`, :func:`placement`) the jobs run
-across hosts emulated on this machine (:class:`hsgd.hosts.EmulatedHosts`),
-TCP forced between them.
+The subcommands that measure on several ranks run ``python -m hsgd.bench`` itself under
+``mpiexec`` (:func:`run_workers`): every rank re-parses the same options and calls the
+subcommand's ``worker(args)``; rank 0 writes what it returns to a JSON file that the
+launching process reads back. The training benchmarks run ``python -m hsgd.train`` the
+same way (:func:`job`, :func:`run_job`). The command line, the jobs' environment and
+the timeout that kills a job whole are :mod:`hsgd.hosts._launcher`'s, the launcher the
+tests use too. With ``--hosts`` (:func:`add_hosts_options`, :func:`placement`) the jobs
+run across hosts emulated on this machine (:class:`hsgd.hosts.EmulatedHosts`), TCP
+forced between them.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def link_rates(args) -> List[Optional[int]]:
 
 class LinkMeter:
     """What crossed each host's link during a window. Collective: every rank calls
-    :meth:`start` and :meth:`stop` alike; rank 0 gets ``[(sent, received), ...]`` per host, in
+    :meth:`start` and :meth:`stop`; rank 0 gets ``[(sent, received), ...]`` per host, in
     host order (hosts ordered by their lowest rank), the others ``None``."""
 
     def __init__(self, comm):

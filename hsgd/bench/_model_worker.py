@@ -1,25 +1,16 @@
 """Under ``mpiexec`` for ``python -m hsgd.bench model``: what the cost model is fitted to and checked against.
 
-:func:`worker` runs on every rank of the jobs :mod:`hsgd.bench.model`
-starts (:func:`hsgd.bench._launch.run_workers`); rank 0 returns every
-repeat's time (the slowest rank's) and hsgd's traffic per average:
-
-- on this host, in a job of 2 ranks, the calibration of the node: hsgd's
-  node average (level 1) and ``MPI Allreduce`` at :data:`CALIBRATION_SIZES`;
-- with ``--validate``, in jobs of 2 and 4 ranks, the flat ring (``MPI
-  Allreduce``), ``leader`` and ``sharded`` in the configurations of
-  :data:`VALIDATION` (nodes x ranks per node, virtual nodes where nodes > 1);
-- across emulated hosts (``--job hosts``, the hosts are the nodes,
-  :func:`_hosts_worker`): the network, a ``Sendrecv`` ring between the hosts'
-  first ranks at :data:`CALIBRATION_SIZES` and, from 3 hosts on, a fan (each
-  sends to all others at once, :func:`_fan_times`), then (``--validate``) every
-  strategy on N hosts x 1 (those ranks) and N hosts x k (all): a ring
-  allreduce of ``Sendrecv``s (the model's flat ring) beside ``MPI
-  Allreduce``, ``leader``, ``sharded``, a :class:`hsgd.GossipSGD` step and
-  what an :class:`hsgd.AsyncSGD` step moves through a :class:`hsgd.RemoteMemory`.
-
-The timing itself is :mod:`hsgd.bench.allreduce`'s (``_timed``,
-``hsgd_times``, ``mpi_times``).
+:func:`worker` runs on every rank of the jobs :mod:`hsgd.bench.model` starts; rank 0
+returns every repeat's time (the slowest rank's) and hsgd's traffic per average. On this
+host, in a job of 2 ranks: the node's calibration (hsgd's node average and ``MPI
+Allreduce`` at :data:`CALIBRATION_SIZES`); with ``--validate``, in jobs of 2 and 4 ranks:
+the flat ring, ``leader`` and ``sharded`` in the configurations of :data:`VALIDATION`.
+Across emulated hosts (:func:`_hosts_worker`): the network (a ``Sendrecv`` ring between
+the hosts' first ranks and, from 3 hosts on, a fan, :func:`_fan_times`), then every
+strategy on N hosts x 1 and N hosts x k: a ring allreduce of ``Sendrecv``s beside ``MPI
+Allreduce``, ``leader``, ``sharded``, a :class:`hsgd.GossipSGD` step and what an
+:class:`hsgd.AsyncSGD` step moves through a :class:`hsgd.RemoteMemory`. The timing
+itself is :mod:`hsgd.bench.allreduce`'s (``_timed``, ``hsgd_times``, ``mpi_times``).
 """
 
 from __future__ import annotations

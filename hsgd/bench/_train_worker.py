@@ -1,20 +1,14 @@
 """Under ``mpiexec`` for ``python -m hsgd.bench train``: the workloads, the methods, the timed steps.
 
-:func:`worker` runs on every rank of the jobs :mod:`hsgd.bench.train`
-starts (:func:`hsgd.bench._launch.run_per_rank_count`). For each workload
-(:func:`_model`: the widened MNIST-1D MLP, the trainer's CNN, ``deep``,
-``mlp2m``) every method gets its own copy of the model, seeded alike, and the
-same batches (:func:`_batches`), with SGD (lr 0.01, momentum 0.9) under its
-wrapper (:class:`_Method`): on this host the methods of :func:`_methods`
-(no comm, hsgd on one node and on 2 virtual nodes, DDP, Horovod, local SGD
-beside torch's averagers), across emulated hosts those of
-:func:`_host_methods` (with :class:`_FlatAllreduce`, one ``MPI_Allreduce`` of
-all gradients). Each repeat runs ``--steps`` steps of every method in a
-rotating order, timed on the slowest rank after a barrier, across hosts with
-what crossed each link (:class:`hsgd.bench._links.LinkMeter`); then bare
-averages of hsgd's gradient buffer, as many as steps were timed, are timed
-as ``python -m hsgd.bench allreduce`` times them. Rank 0 returns one row per
-workload for the tables of :mod:`hsgd.bench.train`.
+:func:`worker` runs on every rank of the jobs :mod:`hsgd.bench.train` starts. For each
+workload (:func:`_model`) every method gets its own copy of the model, seeded the same,
+and the same batches (:func:`_batches`), with SGD (lr 0.01, momentum 0.9) under its
+wrapper (:class:`_Method`): on this host the methods of :func:`_methods`, across
+emulated hosts those of :func:`_host_methods` (with :class:`_FlatAllreduce`, one
+``MPI_Allreduce`` of all gradients). Each repeat runs ``--steps`` steps of every method
+in a rotating order, timed on the slowest rank after a barrier, across hosts with what
+crossed each link (:class:`hsgd.bench._links.LinkMeter`); then as many bare averages of
+hsgd's gradient buffer as steps were timed. Rank 0 returns one row per workload.
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ from ._links import LinkMeter, init_gloo, link_rates, on_hosts, wire_limit
 __all__ = ["worker"]
 
 DEEP_LAYERS, DEEP_WIDTH = 8, 1024  # 'deep': 8 hidden layers of 1024, 7.4M parameters in 18 tensors
-MLP2M = (1000, 1000, 1000, 10)  # 'mlp2m': issue 23's MLP, 2.0M parameters
+MLP2M = (1000, 1000, 1000, 10)  # 'mlp2m': the across-hosts benchmarks' MLP, 2.0M parameters
 MLP_HIDDEN = 2950  # 40*2950 + 2950*2950 + 2950*10 weights: 8.85M parameters with the biases
 SAMPLE, CLASSES = (40,), 10  # MNIST-1D
 

@@ -7,28 +7,11 @@ count)::
     python -m hsgd.bench allreduce --ranks 2 --sizes 1e6 --repeats 5
     python -m hsgd.bench allreduce --hosts 2 --ranks-per-host 2 --link 1gbit --sizes 1e6 2e6 --repeats 5   # as root
 
-For every rank count and buffer size, in the same MPI job, side by side:
-
-* ``hsgd``: :class:`hsgd.hierarchical.HierarchicalAverager` on one node (the
-  buffer is the rank's slot in the shared window, as gradients are in training);
-* ``hsgd 2-level``: the same with virtual nodes of 2 ranks (4 ranks or more),
-  so the inter-node MPI allreduce runs too;
-* ``MPI``: ``comm.Allreduce(MPI.IN_PLACE, buf)`` then ``buf *= 1/size``;
-* ``gloo``: ``torch.distributed.all_reduce`` (gloo over loopback) then ``div_``.
-
-Each timing is the slowest rank's time for one average, after a barrier;
-``--warmup`` averages first, untimed. The table shows the median over
-``--repeats`` and the ratios to hsgd. Rank 0 also measures single-process
-memory bandwidth (copy and add of one buffer of the same size, median of
-``--repeats``) as the physical floor. Torch uses one thread per rank.
-
-Across emulated hosts (``--hosts``, one job, the hosts are the nodes) the
-physical floor is the link: ``hsgd`` (its default strategy, ``leader``),
-``hsgd sharded``, ``hsgd fp16`` (``compression="fp16"``), ``MPI`` (one flat
-``MPI_Allreduce`` over every rank) and ``gloo`` (over the hosts' ``eth0``),
-each with the megabytes that crossed the busiest host's link per average
-(its ``eth0`` counters), the wire limit (those bytes over ``--link``'s rate)
-and the fraction of it reached (:mod:`hsgd.bench._links`).
+In one MPI job per rank count, side by side: hsgd's average (on one node, and on
+virtual nodes of 2), ``comm.Allreduce`` plus a scale, and gloo's ``all_reduce`` plus
+a divide; each timing is the slowest rank's after a barrier, medians over
+``--repeats``. Across emulated hosts each time comes with the bytes on the busiest
+link and its wire limit. What each column is: docs/benchmark-methods.md (``allreduce``).
 """
 
 from __future__ import annotations

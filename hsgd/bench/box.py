@@ -7,33 +7,11 @@ count)::
     python -m hsgd.bench box --ranks 4 --sizes 1e7 --repeats 3 --seconds 2
     python -m hsgd.bench box --hosts 2 --ranks-per-host 1 --link 1gbit   # as root: across hosts
 
-For every rank count and model size, in the same MPI job, side by side, each
-for ``--seconds`` per repeat (``--warmup`` rounds of all three first,
-untimed). One *update* is what an asynchronous worker does per step, with a
-stand-in gradient (no model compute, so the figures measure the exchange
-itself):
-
-* ``PS``: rank 0 is a server: it receives a gradient from any worker (a
-  receive posted per worker, ``Waitany``), applies it (``W -= lr * g``) and
-  ``Send``s the weights back; ranks 1.. are workers;
-* ``box``: the same workers, rank 0 only holds ``W_g`` in a
-  :class:`hsgd.RemoteMemory` and runs no code; a worker's update is
-  ``accumulate(-lr * g)`` then ``read(W_g)`` (what :class:`hsgd.AsyncSGD` does);
-* ``box, all work``: as ``box``, but rank 0 works too (the design: the
-  owner of a shard is also a worker);
-* ``box, owner computes``: as ``box``, but rank 0 computes (float32 matrix
-  products) instead of waiting inside MPI. Across hosts over TCP its MPI
-  library must move the bytes of the others' operations: this is what hsgd's
-  progress thread is for (``hsgd.remote.progress``; compare a run with
-  ``HSGD_PROGRESS=0``). On one host it changes nothing.
-
-Reported: updates per second summed over workers (rank 0's own in ``all
-work``), median over ``--repeats``, and the ratios to PS. Across emulated
-hosts (``--hosts``) a second table gives, per method, the megabytes per
-second that crossed the busiest host's link (the larger of sent and
-received, its ``eth0`` counters), the fraction of the link's rate that is,
-and the wire limit: the updates per second at which that link would be full
-(:mod:`hsgd.bench._links`).
+In the same MPI job, side by side, for ``--seconds`` per repeat: a server on rank 0
+that receives gradients and sends weights back (``PS``), and workers that
+``accumulate`` into and ``read`` from a :class:`hsgd.RemoteMemory` held by rank 0
+(``box``; also with rank 0 working, and with rank 0 computing). One update is one
+worker's exchange with a stand-in gradient. What each column is: docs/benchmark-methods.md (``box``).
 """
 
 from __future__ import annotations

@@ -6,25 +6,11 @@ One command (each run is ``mpiexec -n RANKS python -m hsgd.train``)::
     python -m hsgd.bench diloco --period 4 8 --fragments 4 --epochs 2
     python -m hsgd.bench diloco --hosts 2 --ranks-per-host 2 --link 1gbit   # as root: across hosts
 
-Every run trains the same model on the same data for the same number of steps
-(``--epochs``; options this benchmark does not know go to ``python -m
-hsgd.train``, e.g. ``--n-layer 2``), one run at a time:
-
-- ``sync``: synchronous SGD (gradients averaged every step);
-- ``local H``: hierarchical local SGD, parameters averaged in the node every
-  step and across nodes every ``H`` steps (``--intra-period 1 --inter-period H``);
-- ``diloco H``: the same periods, the global round DiLoCo's outer step (SGD,
-  lr ``--outer-lr``, Nesterov momentum ``--outer-momentum``; DiLoCo's 0.7 and 0.9);
-- ``streaming H/F``: DiLoCo with ``--fragments F`` and ``--fragment-sync-delay``.
-
-The table gives the final validation loss (and bits per byte where the
-workload reports it), its difference from ``sync``, the inter-node bytes of
-the whole run (all ranks, from the epoch records) and their ratio to
-``sync``'s, and the peak bytes rank 0 sent across nodes in one step (the step
-records' ``own_inter_bytes`` at ``--log-every 1``; rank 0 is a node leader,
-and with ``--inter-node leader`` it sends its node's share). Across emulated
-hosts the raw JSON also holds what each host's link carried during each run
-(``link_bytes``: ``[sent, received]`` per host, the whole job).
+Every run trains the same model on the same data for the same number of steps, one
+run at a time: ``sync``, ``local H``, ``diloco H`` and ``streaming H/F``; options this
+benchmark does not know go to ``python -m hsgd.train``. The table gives the final
+validation loss and the inter-node bytes against ``sync``'s. What each run and column
+is: docs/benchmark-methods.md (``diloco``).
 """
 
 from __future__ import annotations

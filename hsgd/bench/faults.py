@@ -7,22 +7,11 @@ One command (the table in docs/reliability.md)::
     python -m hsgd.bench faults --rows raise kill-rank   # some rows only
     python -m hsgd.bench faults --hosts 2 --ranks-per-host 2   # as root: across emulated hosts
 
-Each row starts one job (``mpiexec -n RANKS``), injects one fault and
-records the exit status, what the job printed about it, the seconds from
-the fault to the end of the job (from the start of the job where the fault
-is in the program itself) and the files the job left in ``/dev/shm`` and
-the temporary directories. The user-loop jobs are a plain training loop
-with ``HierarchicalSGD`` (the ``LOOP`` program below); the trainer jobs are
-``python -m hsgd.train`` on a small MNIST-1D. Every row is also a test in
-``tests/`` (named in the last column), run by CI with a timeout. A job
-still running after 300 s is killed and its row says HUNG.
-
-With ``--hosts`` every job runs across hosts emulated on this machine
-(:mod:`hsgd.hosts`, TCP between them), and two more rows are possible: the
-last host dies (every process on it killed, the launcher's proxy
-included), and the last host's link goes down mid-run (a partition; with
-``HSGD_STALL_TIMEOUT=2 HSGD_STALL_ABORT_AFTER=5``, so that the row ends in
-seconds rather than after the default 600 s).
+Each row starts one job, injects one fault and records the exit status, what the job
+printed about it, the seconds from the fault to the end of the job and the files the
+job left behind. Every row is also a test in ``tests/`` (named in the last column); a
+job still running after ``JOB_TIMEOUT_S`` seconds is killed and its row says HUNG. With
+``--hosts`` two more rows are possible: a host dies, a link goes down. docs/benchmark-methods.md (``faults``).
 """
 
 from __future__ import annotations

@@ -7,31 +7,10 @@ One command::
     python -m hsgd.bench gossip --hosts 2 --ranks-per-host 2 --link 100mbit,1gbit --sync-balance \
         --epochs 3 --model mlp --width 1000        # as root: across emulated hosts, a wide MLP
 
-Every run is ``mpiexec -n RANKS python -m hsgd.train`` on the default
-MNIST-1D run (the CNN, AdamW, every other option at its default), one at a
-time, after ``--warmup`` untimed one-epoch runs (the first generates the
-data set): ``--sync sync``, then ``--sync gossip`` with ``--gossip-theta 0``
-(every step) and each of ``--thetas``. The table gives the bytes all ranks
-sent inside and across nodes over the whole run (the epoch records'
-``intra_bytes``/``inter_bytes``; for gossip headers included), the traffic
-relative to every-step gossip, the wall time (start-up included) and the
-final and best test accuracy, and the training time (the epoch records'
-``seconds`` summed: training and evaluation, no start-up) relative to
-every-step gossip. ``--sync-balance`` adds a ``--sync sync --balance`` run.
-Options this command does not know go to ``hsgd.train``: ``--ranks-per-node
-2`` makes two virtual nodes, so that some gossip goes "across nodes";
-``--model mlp --width 1000`` (1.05M parameters) makes the runs
-communication-bound across hosts.
-
-Across emulated hosts (``--hosts``, ``--link``, ``--ranks-per-host``; root
-only) every run is one job across them, the hosts are the nodes and the
-inter-node bytes cross the shaped links, TCP forced. A ``--gossip-theta inf``
-run (no gossip: only the evaluations' consensus crosses the links) comes
-first, the floor, and every run gets the megabytes that crossed the busiest
-link (read from the links' byte counters over the whole job, TCP/IP
-headers, start-up and evaluation included), its wire limit (the floor's
-train seconds plus the bytes beyond the floor's over the link's rate) and
-the fraction of that limit the run reached.
+Every run is ``mpiexec -n RANKS python -m hsgd.train`` on the default MNIST-1D run,
+one at a time: ``--sync sync``, then ``--sync gossip`` every step and at each of
+``--thetas``. Options this command does not know go to ``hsgd.train``. What each
+column is, and the wire limit across hosts: docs/benchmark-methods.md (``gossip``).
 """
 
 from __future__ import annotations

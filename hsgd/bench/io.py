@@ -1,31 +1,17 @@
 """Training-input read rates: the contiguous-read loader against the usual ways.
 
-One command runs everything: it writes two HDF5 files of ``--gib`` GiB each
-(40 float32 per sample, MNIST-1D-like; 3x32x32 float32, CIFAR-like), launches
-``mpiexec -n R`` on itself for every R in ``--ranks``, prints a markdown
-table and removes the files::
+One command runs everything: it writes two HDF5 files of ``--gib`` GiB each, launches
+``mpiexec -n R`` on itself for every R in ``--ranks``, prints a markdown table and
+removes the files::
 
     python -m hsgd.bench io                         # 1 GiB files, 1/2/4 ranks, 3 repeats
     python -m hsgd.bench io --dir /scratch/me --gib 4
     python -m hsgd.bench io --gib 0.05 --repeats 1 --bounded-seconds 1   # smoke test
 
-Per rank count, file and cache state (cold: the file's pages dropped with
-``posix_fadvise(DONTNEED)`` before each run; warm: the file read once
-before), the median over ``--repeats`` (after ``--warmup`` untimed runs) of
-the aggregate samples/s of:
-
-* ``loader``: one epoch of :class:`hsgd.parallel_io.ContiguousH5Loader`
-  (shuffled; construction not timed);
-* ``DataLoader``: ``torch.utils.data.DataLoader`` over a map-style Dataset
-  reading ``f["x"][i]`` and ``f["y"][i]`` per sample, random sampler over the
-  rank's shard, ``num_workers=--workers``;
-* ``fancy``: h5py fancy indexing with sorted random indices, one read per batch;
-* ``raw``: each rank reads its contiguous shard in 64 MiB slices.
-
-DataLoader and fancy are slow: each runs for about ``--bounded-seconds``
-per rank and the rate is extrapolated from the samples it read (marked *).
-Aggregate rate = all ranks' samples / the slowest rank's time. The readers
-are in :mod:`hsgd.bench._readers`.
+Per rank count, file and cache state (cold or warm), the median aggregate samples/s
+of :class:`hsgd.parallel_io.ContiguousH5Loader`, a per-sample ``DataLoader``, h5py
+fancy indexing and raw contiguous reads (the readers: :mod:`hsgd.bench._readers`).
+What each column is: docs/benchmark-methods.md (``io``).
 """
 
 from __future__ import annotations

@@ -5,28 +5,12 @@ One command (each run is ``mpiexec -n RANKS python -m hsgd.train``)::
     python -m hsgd.bench lars                         # 4 ranks, 50 000 samples
     python -m hsgd.bench lars --epochs-4096 60 --lars-warmup 10
 
-All runs train the MNIST-1D CNN on the same generated data (MNIST-1D with
-``--samples`` training samples, test split 1/4 of that), with warm-up then
-poly decay (power 2) of the learning rate:
-
-* ``sgd-256``: momentum SGD, global batch 256, lr ``--sgd-lr``, 1 warm-up
-  epoch, ``--epochs`` epochs;
-* ``sgd-4096-scaled``: the same at batch 4096 with the linear scaling rule
-  (lr x 4096/256) and a 5-epoch warm-up (Goyal et al. 2017), ``--epochs-4096``
-  epochs;
-* ``lars-4096``: LARS (You et al. 2017) at batch 4096 for ``--epochs-4096``
-  epochs: lr ``--lars-lr``, trust coefficient ``--trust-coefficient``,
-  weight decay ``--lars-weight-decay``, ``--lars-warmup`` warm-up epochs.
-  The defaults are those the search in docs/benchmarks.md found. LARS gives
-  biases (1-D tensors) the plain global lr, so a large lr with a small trust
-  coefficient destabilizes them: keep lr small and raise the coefficient.
-
-One run each (``--runs`` picks some), after ``--warmup`` untimed one-epoch
-runs of the first (0 by default: the first run generates the data set
-unless ``--cache-dir`` holds it). The table gives epochs, optimizer steps
-(each one gradient allreduce), final and best test accuracy, final training
-loss and wall time (start-up and the per-epoch evaluation included); the
-notes give every run's command.
+All runs train the MNIST-1D CNN on the same generated data with warm-up then poly
+decay: ``sgd-256``, ``sgd-4096-scaled`` (the linear scaling rule) and ``lars-4096``,
+whose defaults are those the search in docs/benchmarks-appendix.md found. LARS gives
+biases (1-D tensors) the plain global lr, so a large lr with a small trust coefficient
+destabilizes them: keep lr small and raise the coefficient. What each run and column
+is: docs/benchmark-methods.md (``lars``).
 """
 
 from __future__ import annotations

@@ -3,63 +3,17 @@
 ::
 
     python -m hsgd.bench model                        # 1..4096 nodes x 1..128 ranks, two models
-    python -m hsgd.bench model --params 2.56e7 --nodes 64 256 --ranks-per-node 8 \\
+    python -m hsgd.bench model --params 2.56e7 --nodes 64 256 --ranks-per-node 8 \
         --latency 1.5e-6 --bandwidth 25e9 --png model.png
     python -m hsgd.bench model --validate             # predicted vs measured on this machine
     python -m hsgd.bench model --validate --hosts 2 --ranks-per-host 2 --link 1gbit   # as root: across hosts
 
-For every model size (``--params`` elements of ``--dtype-bytes`` bytes) and
-every ``--nodes`` x ``--ranks-per-node``, the alpha-beta model of
-:mod:`hsgd.bench._costs` (its formulas and what it ignores are in its
-docstring) predicts the time of one step's communication for a flat ring
-allreduce over all ranks, hsgd's two levels with the ``leader`` and the
-``sharded`` inter-node strategy, gossip (exponential graph, a rank sends in
-``--gossip-rate`` of the rounds) and the parameter box (AsyncSGD). The
-network is ``--latency`` and ``--bandwidth`` (per node, each direction).
-
-Inside a node the model uses this machine's speed: unless
-``--intra-latency``, ``--intra-bandwidth``, ``--local-latency`` and
-``--local-bandwidth`` are all given, one MPI job of 2 ranks times hsgd's
-node average (level 1, the shared window) and ``MPI Allreduce`` at 4 KiB
-and 16 MiB (median of ``--repeats``) and fits ``t = 2 fence + bytes / B_s``
-to the first and ``t = 2 alpha_m + bytes / B_m`` to the second (MPI between
-ranks of one node: its shared-memory transport). Options given win.
-
-``--validate`` then measures, with :mod:`hsgd.bench.allreduce`'s code,
-MPI Allreduce (the flat ring) and hsgd's average with ``leader`` and
-``sharded`` on 1 node x 2 and x 4 ranks and on 2 virtual nodes x 1 and x 2
-ranks, at ``--validate-sizes`` floats, and prints each beside the model's
-prediction for this machine (the network, too, is the MPI fit) with the relative
-error, and whether the bytes hsgd counted (:mod:`hsgd._core.traffic`)
-are the model's. With 4 ranks on a 2-core machine the ranks share cores,
-which the model does not know.
-
-Across emulated hosts (``--hosts``, ``--link``, ``--ranks-per-host``, every
-host the same count; root only) the network is measured, not given: in one
-job across the hosts, every host's first rank sends ``--validate-sizes``'s
-calibration buffers (4 KiB and 16 MiB) to the next host's and receives from
-the previous one's at once (``Sendrecv``: one stream each way on every
-link), and ``t = alpha + bytes / B`` is fitted to the medians. From 3
-hosts on, the first ranks then each send 16 MiB / (N-1) to every other one
-at once (streams from N-1 senders meet at every link, as in the box and the
-all-to-all of hsgd's sums for node counts that are not powers of two); that
-exchange's time at ``alpha`` and ``B`` over its median is ``eta``
-(``--fan-efficiency`` otherwise, default 1). That ``alpha``, ``B`` and
-``eta`` are the network of the grid table (``--latency`` and
-``--bandwidth`` then only say what the grid would be without measuring), and
-the table of parameters gives ``B`` as a fraction of the link's rate. With
-``--validate`` the same job then measures every strategy on N hosts x 1
-(one rank per host) and N hosts x k ranks, the hosts as the nodes: the flat
-ring (``MPI Allreduce``), ``leader``, ``sharded``, gossip (a
-:class:`hsgd.GossipSGD` step on the exponential graph, every round sending;
-a repeat is one cycle of the graph's rounds, per step, as the model averages
-over them) and the box (every rank's ``accumulate`` then ``read`` of the whole
-model in a :class:`hsgd.RemoteMemory` sharded over the hosts' first ranks,
-all ranks at once, as :class:`hsgd.AsyncSGD` steps), each beside the model's
-prediction with that network.
-
-``--png PATH`` draws predicted time against nodes, one panel per model size
-and ranks per node (matplotlib).
+For every model size and every ``--nodes`` x ``--ranks-per-node``, the alpha-beta model
+of :mod:`hsgd.bench._costs` predicts one step's communication for a flat ring, hsgd's
+``leader`` and ``sharded``, gossip and the parameter box, on the network ``--latency``
+and ``--bandwidth`` and this machine's speed inside a node (fitted at the start unless
+given). ``--validate`` measures them here beside the predictions; across emulated hosts
+the network is measured too. docs/benchmark-methods.md (``model``, the formulas).
 """
 
 from __future__ import annotations

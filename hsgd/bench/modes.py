@@ -7,26 +7,10 @@ One command::
     python -m hsgd.bench modes --part balance --batch-size 2048   # unknown options go to hsgd.train
     python -m hsgd.bench modes --part accuracy --hosts 2 --ranks-per-host 2   # as root: across hosts
 
-Every run is ``mpiexec -n RANKS python -m hsgd.train --sync MODE`` on the
-default MNIST-1D run (the CNN, AdamW, every other option at its default),
-one run at a time; ``--warmup`` untimed one-epoch runs come first (the
-first generates the data set into ``--cache-dir``).
-
-- ``accuracy``: one ``--epochs`` run per mode: final and best test accuracy,
-  wall time (start-up included).
-- ``straggler``: per mode, short runs (``--straggler-epochs``) without and
-  with ``--straggler LAST:FACTOR`` (the last rank's steps made FACTOR times
-  longer by busy-waiting, so the CPU the others get is the same in both),
-  alternating, ``--repeats`` times. A rank's pace is its steps per second
-  until its last step of an epoch (the epoch records' ``rank_steps_per_s``,
-  averaged over the epochs); the table shows the medians over the repeats of
-  the other ranks' mean pace and of the straggler's, and the others' pace
-  with the straggler relative to without.
-- ``balance``: ``--sync sync --straggler 1:FACTOR`` without and with
-  ``--balance``, alternating, ``--repeats`` times, ``--straggler-epochs``
-  epochs each. Time per epoch is the median of the run's epoch records'
-  ``seconds`` (training and evaluation); the table shows its median over the
-  repeats, the speed-up, and the batch shares of the last balanced run's last epoch.
+Every run is ``mpiexec -n RANKS python -m hsgd.train --sync MODE`` on the default
+MNIST-1D run, one at a time. ``accuracy``: one run per mode; ``straggler``: short runs
+without and with one rank slowed by ``--straggler``; ``balance``: ``--sync sync`` with a
+straggler, without and with ``--balance``. What each column is: docs/benchmark-methods.md (``modes``).
 """
 
 from __future__ import annotations

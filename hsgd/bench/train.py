@@ -6,68 +6,13 @@ One command (it launches ``mpiexec`` itself, one job per rank count)::
     python -m hsgd.bench train --ranks 2 --workloads mlp --repeats 3
     python -m hsgd.bench train --hosts 2 --ranks-per-host 2 --link 1gbit --workloads mlp2m   # as root
 
-In each job, for each workload, every method trains its own copy of the
-same model (same seed, so the same start) on the same synthetic batches
-(``--batches`` per rank, drawn once, cycled) with the same per-rank batch
-and the same optimizer (SGD, lr 0.01, momentum 0.9). Every rank runs torch
-with one thread (the launcher sets ``OMP_NUM_THREADS=1``, as for the other
-benchmarks); the JSON records it.
-
-Workloads: ``mlp``, communication-bound: the MNIST-1D MLP widened to
-2 950 hidden units (8.85M parameters), ``--mlp-batch`` 32 samples per rank;
-``cnn``, compute-bound: the trainer's default model (the MNIST-1D CNN, 5K
-parameters), ``--cnn-batch`` 128 samples per rank; and, when asked for,
-``deep``, communication-bound in many tensors: 8 hidden layers of 1024
-(7.4M parameters in 18 tensors, so that backward yields gradients
-throughout and ``overlap=True`` has something to overlap), ``--mlp-batch``;
-and ``mlp2m``, the MLP 1000-1000-1000-10 of issue 23 (2.0M parameters, 8 MB
-of gradients, inputs of 1000 features), ``--mlp-batch``.
-
-Across emulated hosts (``--hosts``, one job, the hosts are the nodes), the
-methods are those that cross the links: ``no comm``; ``hsgd`` with its
-defaults; ``hsgd leader`` and ``hsgd sharded``; ``hsgd fp16`` (the default
-strategy, ``compression="fp16"``); ``hsgd overlap`` (default
-``bucket_cap_mb``, 25), ``hsgd overlap 4MB`` and ``hsgd overlap sharded 4MB``
-(``bucket_cap_mb=4``: on a link, smaller buckets start crossing earlier in
-backward); ``DDP`` and ``DDP
-bucket view`` (gloo over the hosts' ``eth0``); ``flat MPI``: one
-``MPI_Allreduce`` of all gradients over every rank, then the step; and
-``Horovod`` when it imports. Next to each time: the megabytes that crossed
-the busiest host's link per step (its ``eth0`` counters, read inside the
-hosts), the wire limit (those bytes over ``--link``'s rate, plus the step
-without communication) and the fraction of it the step reached, and the
-samples/s relative to DDP's.
-
-Methods, synchronous (gradients averaged every step):
-
-* ``no comm``: the inner optimizer alone, no communication (the floor);
-* ``hsgd``: :class:`hsgd.HierarchicalSGD` on one node (every rank here);
-* ``hsgd overlap``: the same with ``overlap=True`` (buckets averaged during
-  backward, default ``bucket_cap_mb``);
-* ``hsgd leader 2n`` / ``hsgd sharded 2n``: the same on 2 virtual nodes of
-  ranks/2, with each inter-node strategy (even rank counts), and
-  ``hsgd overlap sharded 2n``;
-* ``DDP`` / ``DDP bucket view``: ``torch.nn.parallel.DistributedDataParallel``
-  on gloo, default and with ``gradient_as_bucket_view=True``;
-* ``Horovod``: ``hvd.DistributedOptimizer``, when ``horovod.torch`` imports
-  (it is no dependency of hsgd; the table says when it was skipped).
-
-Local SGD (parameters averaged every few steps), ``--period P``:
-
-* ``hsgd local``: :class:`hsgd.HierarchicalLocalSGD` on one node, every P steps,
-  against ``torch periodic``: torch's ``PeriodicModelAverager(P)``;
-* ``hsgd local 2n``: on 2 virtual nodes, in the node every P/2 steps and over
-  all ranks every 2P, against ``torch hierarchical``: torch's
-  ``HierarchicalModelAverager({P/2: ranks/2, 2P: ranks})`` (the same periods).
-
-Each repeat runs ``--steps`` steps of every method in turn (the order rotates
-from repeat to repeat, so a drift of the machine's speed hits every method
-alike), after ``--warmup`` untimed rounds; a time is the slowest rank's,
-after a barrier. Tables show medians over ``--repeats``: milliseconds per
-step, samples/s (all ranks), and the ratios. The last table is issue 13's
-overhead measure: hsgd's step time minus the no-communication step time,
-over the time of a bare average of the same buffer (hsgd's own averager,
-timed like ``python -m hsgd.bench allreduce``) in the same job.
+In each job, for each workload (``mlp``, ``cnn``, ``deep``, ``mlp2m``), every method
+trains its own copy of the same model on the same synthetic batches with the same
+optimizer: hsgd's synchronous and local-SGD modes beside DDP, torch's model averagers
+and Horovod (when it imports), and across emulated hosts with the bytes on the busiest
+link and the wire limit. Medians over ``--repeats`` of the slowest rank's time per
+step, with the methods' order rotating between repeats. What each workload, method and
+column is: docs/benchmark-methods.md (``train``).
 """
 
 from __future__ import annotations

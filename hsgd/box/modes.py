@@ -1,36 +1,16 @@
 """The parameter box: global weights in remote memory, and two modes that train against them.
 
-Soft Memory Box (``shared/PAPERS.md``, section 5) keeps the global weights
-``W_g`` in a memory server that workers read and accumulate into without
-the server's CPU; the workers never wait for each other. Here ``W_g`` is a
-:class:`~hsgd.remote.memory.RemoteMemory` region (one shard per node
-leader, in the order of ``model.parameters()``), and each rank's model is
-its local replica ``W_x``:
+Soft Memory Box (``shared/PAPERS.md``, section 5) keeps the global weights ``W_g`` in a
+memory server that workers read and accumulate into without the server's CPU; the
+workers never wait for each other. Here ``W_g`` is a
+:class:`~hsgd.remote.memory.RemoteMemory` region (one shard per node leader, in the
+order of ``model.parameters()``), and each rank's model is its local replica ``W_x``.
+:class:`ElasticSGD` (``--sync elastic``) is SEASGD as in ShmCaffe; :class:`AsyncSGD`
+(``--sync async``) is asynchronous SGD with any torch optimizer, its state local.
 
-- :class:`ElasticSGD` (``--sync elastic``): SEASGD as in ShmCaffe. Every
-  ``tau`` steps a worker reads ``W_g``, computes
-  ``delta = alpha * (W_x - W_g)``, sets ``W_x -= delta`` and accumulates
-  ``W_g += delta``. The accumulate is issued and completed at the start of
-  the next round (or at :meth:`close`), so it overlaps the local steps in
-  between where the network moves data by itself.
-- :class:`AsyncSGD` (``--sync async``): asynchronous SGD. Every step the
-  inner optimizer updates ``W_x``; the change is accumulated into ``W_g``,
-  and the worker continues from a fresh read of ``W_g``. Any torch
-  optimizer works; its state (momentum, Adam moments) stays local.
-
-Neither has a barrier or collective in its step: a slow rank slows only
-itself. Construction and :meth:`close` are collective. ``W_g`` starts as
-rank 0's parameters (after the usual broadcast).
-
-Example::
-
-    >>> opt = hsgd.ElasticSGD(torch.optim.SGD(model.parameters(), lr=0.05), model, alpha=0.2)
-    >>> for x, y in loader:          # ranks may run different numbers of steps
-    ...     opt.zero_grad()
-    ...     loss_fn(model(x), y).backward()
-    ...     opt.step()
-    >>> weights = opt.global_parameters()   # W_g, in the order of model.parameters()
-    >>> opt.close()
+Invariants: neither has a barrier or collective in its step, so a slow rank slows
+only itself; construction and :meth:`~BoxMode.close` are collective; ``W_g`` starts as
+rank 0's parameters (after the usual broadcast). docs/box.md.
 """
 
 from __future__ import annotations
@@ -182,6 +162,21 @@ class ElasticSGD(BoxMode):
         optimizer, model, topology, broadcast: see :class:`~hsgd._engine.mode.SyncMode`.
         alpha: the elastic moving rate, in [0, 1]; 0 leaves ``W_g`` untouched.
         tau: steps between rounds.
+
+    Every ``tau`` steps a worker reads ``W_g``, computes ``delta = alpha * (W_x - W_g)``,
+    sets ``W_x -= delta`` and accumulates ``W_g += delta``. The accumulate is issued and
+    completed at the start of the next round (or at :meth:`close`), so it overlaps the
+    local steps in between where the network moves data by itself.
+
+    Example::
+
+        >>> opt = hsgd.ElasticSGD(torch.optim.SGD(model.parameters(), lr=0.05), model, alpha=0.2)
+        >>> for x, y in loader:          # ranks may run different numbers of steps
+        ...     opt.zero_grad()
+        ...     loss_fn(model(x), y).backward()
+        ...     opt.step()
+        >>> weights = opt.global_parameters()   # W_g, in the order of model.parameters()
+        >>> opt.close()
     """
 
     name = "elastic"
@@ -231,6 +226,10 @@ class AsyncSGD(BoxMode):
 
     Args:
         optimizer, model, topology, broadcast: see :class:`~hsgd._engine.mode.SyncMode`.
+
+    Every step the inner optimizer updates ``W_x``; the change is accumulated into ``W_g``,
+    and the worker continues from a fresh read of ``W_g``. Any torch optimizer works; its
+    state (momentum, Adam moments) stays local.
     """
 
     name = "async"

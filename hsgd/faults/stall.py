@@ -1,47 +1,18 @@
-"""Stall inspector: when ranks wait too long in a synchronization, name the ones missing, and
-end a job that waits for good.
+"""Stall inspector: when ranks wait too long in a synchronization, name the ones missing,
+and end a job that waits for good.
 
-In the manner of Horovod's stall inspector and torch's ``monitored_barrier``:
-before it enters a synchronization, every rank publishes how many it has
-entered and at which step, as one int64 in its own slot of a
-:class:`~hsgd.remote.RemoteMemory` board (every rank owns one element): one
-store into its own memory, no MPI call, on any network. (It used to be a put
-and a flush into a board on rank 0: a round trip per step, 22 ms of a 95 ms
-step across two hosts at 1 Gbit/s, and over TCP a wait for rank 0 to enter
-MPI, which deadlocked with ranks that spin on shared memory.)
-
-A watchdog thread on each rank wakes every ``timeout / 4`` seconds (at most
-every second); if its rank has been waiting in the same synchronization for
-``timeout`` seconds, it reads every rank's slot one-sidedly (the ranks need
-not answer: where the network needs the owner's MPI to move the bytes, the
-owner's progress thread does, ``hsgd.remote.progress``; a rank that does
-not answer within a few seconds, its host dead or cut off, is named as such)
-and writes to stderr::
+In the manner of Horovod's stall inspector and torch's ``monitored_barrier``: before it
+enters a synchronization, every rank publishes how many it has entered and at which
+step in its own slot of a :class:`~hsgd.remote.RemoteMemory` board; a watchdog thread
+reads every slot one-sidedly once its rank has waited ``timeout`` seconds, names on
+stderr the ranks that entered fewer synchronizations than this one, and after
+``abort_after`` seconds (or the first report, with ``abort``) aborts the job
+(``MPI_Abort``), so a lost host or a partitioned network ends the job instead of
+holding its allocation forever. docs/faults.md; the report looks like::
 
     [rank 0] hsgd stall: waiting 60 s in synchronization #118 (step 117, step()); missing: rank 2 (last at step 103)
 
-and again every ``timeout`` seconds while the wait lasts. The missing ranks
-are exactly those that have entered fewer synchronizations than this rank;
-in the lockstep modes every rank enters the same ones, so a rank that
-arrived is never named. In the modes whose ranks do not step together (the
-parameter box, gossip) the ranks named are those behind this one.
-
-When every rank has entered (the board names no one), the wait is most
-likely ending at that instant: the report waits one more period and is made,
-as ``missing: none (all arrived)``, only if the wait outlasts it (a hung
-network or MPI progress, not a missing rank).
-
-A wait that lasts ``abort_after`` seconds (default ``HSGD_STALL_ABORT_AFTER``
-or 600, as torch's NCCL watchdog; 0: never) is reported, then the job is
-aborted (``MPI_Abort``): a lost host or a partitioned network ends the job
-instead of holding its allocation forever. With ``abort``
-(``HSGD_STALL_ABORT=1``) the job is aborted after the first report already.
-If ``MPI_Abort`` itself cannot reach the launcher (it waits on a host that is
-gone), the process exits after :data:`EXIT_GRACE_S` seconds.
-
-``timeout`` defaults to ``HSGD_STALL_TIMEOUT`` (seconds, default 60; 0
-disables the inspector, its abort included: no board, no thread). The ranks
-must agree on all three.
+``timeout`` 0 disables it, the abort included. The ranks must agree on all three settings.
 """
 
 from __future__ import annotations
@@ -109,6 +80,17 @@ class StallInspector:
         abort: abort the job after the first report (``None``: ``HSGD_STALL_ABORT``).
         abort_after: abort the job after a wait this long (``None``: ``HSGD_STALL_ABORT_AFTER``
             or 600; 0: never).
+
+    The watchdog wakes every ``timeout / 4`` seconds (at most every second) and reports
+    again every ``timeout`` seconds while a wait lasts. The ranks need not answer its
+    reads: where the network needs the owner's MPI to move the bytes, the owner's progress
+    thread does (``hsgd.remote.progress``), and a rank that does not answer within a few
+    seconds (its host dead or cut off) is named as such. In the lockstep modes every rank
+    enters the same synchronizations, so a rank that arrived is never named; in the modes
+    whose ranks do not step together (the box, gossip) the ranks named are those behind
+    this one. If every rank has entered, the wait is most likely ending at that instant:
+    the report (``missing: none (all arrived)``) comes only if it outlasts one more period.
+    If ``MPI_Abort`` cannot reach the launcher, the process exits after ``EXIT_GRACE_S``.
     """
 
     def __init__(self, comm, timeout: Optional[float] = None, abort: Optional[bool] = None,
@@ -137,7 +119,10 @@ class StallInspector:
         if self.timeout > 0:
             from ..remote.memory import RemoteMemory
 
-            # Read only by reports: the owners' progress threads may poll slowly for it.
+            # Each rank's own element: publishing is a store into its own memory, no MPI call, on
+            # any network. (A put and a flush into a board on rank 0 cost a round trip per step,
+            # and over TCP a wait for rank 0 to enter MPI, which deadlocked with ranks that spin
+            # on shared memory.) Read only by reports: the owners' progress threads may poll slowly.
             self.board = RemoteMemory(comm, comm.Get_size(), dtype=torch.int64, owners=range(comm.Get_size()),
                                       progress_idle=_BOARD_IDLE_S)
             self._slot = self.board.direct_view(self.rank)  # this rank's own memory
@@ -152,7 +137,7 @@ class StallInspector:
     def waiting(self, step: int, what: str = "step()", count: bool = True) -> Iterator[None]:
         """Around a synchronization that waits for other ranks. Re-entrant: an inner one
         (``synchronize()`` inside ``step()``) counts as part of the outer. ``count=False``: a
-        wait that not every rank enters alike (an allreduce inside a backward hook, whose turn
+        wait that not every rank enters at the same point (an allreduce inside a backward hook, whose turn
         depends on timing) is reported and ends the job after ``abort_after`` like the others,
         but is not published as a synchronization of its own: the missing ranks are named
         against the last one counted."""

@@ -2,7 +2,7 @@
 
 - :class:`GossipSGD`: local steps, then push-sum averaging with the round's
   peers, sending only a model that changed enough (:mod:`hsgd.gossip.sgd`);
-- the peer schedules every rank computes alike (``hsgd.gossip.graphs``).
+- the peer schedules, which every rank computes the same way (``hsgd.gossip.graphs``).
 """
 
 from .graphs import GRAPHS

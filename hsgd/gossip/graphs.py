@@ -1,21 +1,11 @@
-"""Who talks to whom in each gossip round: schedules that every rank computes alike.
+"""Who talks to whom in each gossip round: schedules that every rank computes the same way.
 
-A graph maps ``(round, rank)`` to this rank's out-peers (it sends to them)
-and in-peers (it receives from them). Every rank computes the whole round
-from the same inputs, so a receiver always knows whom it receives from:
-the deadlock that users of sampled peers hit ("nodes do not know who to
-receive from") cannot happen, as in SGP's ``graph_manager.py``.
-
-- ``"random"``: a fresh perfect matching each round, drawn from a seed that
-  all ranks share; never a rank with itself; with an odd number of ranks the
-  one left over sits the round out. Symmetric: out-peers = in-peers.
-- ``"ring"``: neighbours on the ring ``0 - 1 - ... - (n-1) - 0``, as a
-  matching that shifts by one each round (``(s, s+1), (s+2, s+3), ...`` for
-  ``s = round mod n``), so every ring edge is used and with an odd ``n`` the
-  rank that sits out rotates. Symmetric.
-- ``"exponential"``: directed, as in SGP: in round ``t`` rank ``i`` sends to
-  ``i + 2^k`` and receives from ``i - 2^k`` (mod ``n``), ``k = t mod K`` over
-  the ``K`` powers of two below ``n``. Needs push-sum weights.
+A graph maps ``(round, rank)`` to this rank's out-peers (it sends to them) and in-peers
+(it receives from them). Every rank computes the whole round from the same inputs, so
+a receiver always knows whom it receives from: the deadlock that users of sampled
+peers hit ("nodes do not know who to receive from") cannot happen, as in SGP's
+``graph_manager.py``. The graphs: :class:`RandomGraph`, :class:`RingGraph`,
+:class:`ExponentialGraph` (directed; needs push-sum weights).
 
 Example::
 
@@ -68,6 +58,10 @@ def _pairs(order) -> Dict[int, int]:
 
 
 class RandomGraph(_Matching):
+    """``"random"``: a fresh perfect matching each round, drawn from a seed that all ranks
+    share; never a rank with itself; with an odd number of ranks the one left over sits
+    the round out. Symmetric: out-peers = in-peers."""
+
     name = "random"
 
     def matching(self, round: int) -> Dict[int, int]:
@@ -75,6 +69,10 @@ class RandomGraph(_Matching):
 
 
 class RingGraph(_Matching):
+    """``"ring"``: neighbours on the ring ``0 - 1 - ... - (n-1) - 0``, as a matching that
+    shifts by one each round (``(s, s+1), (s+2, s+3), ...`` for ``s = round mod n``), so
+    every ring edge is used and with an odd ``n`` the rank that sits out rotates. Symmetric."""
+
     name = "ring"
 
     def matching(self, round: int) -> Dict[int, int]:
@@ -83,6 +81,10 @@ class RingGraph(_Matching):
 
 
 class ExponentialGraph(Graph):
+    """``"exponential"``: directed, as in SGP: in round ``t`` rank ``i`` sends to ``i + 2^k``
+    and receives from ``i - 2^k`` (mod ``n``), ``k = t mod K`` over the ``K`` powers of two
+    below ``n``. Needs push-sum weights."""
+
     name = "exponential"
     symmetric = False
 

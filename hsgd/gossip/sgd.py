@@ -1,49 +1,18 @@
 """``GossipSGD``: local steps, then averaging with peers; adaptive: only a changed model is sent.
 
-Gossip SGD (``shared/PAPERS.md``, sections 3 and 4): after each local step a
-rank averages its model with its peers of the round (``hsgd.gossip.graphs``);
-there is no global collective in the step, only messages between peers.
-Every exchange is push-sum (Kempe et al. 2003; SGP's ``PushSum``): each rank
-keeps a weight ``w`` (1 at the start) and its model ``x``; a rank that sends
-to ``k`` peers keeps ``1/(k+1)`` of its mass ``(w x, w)`` and sends each
-peer the same share; a receiver adds what arrives and divides by its new
-weight. The total mass, and so the mean of all models weighted by ``w``, is
-unchanged by every round, whoever sends. On a symmetric graph with every
-rank sending, ``w`` stays 1 and a pair's exchange is exactly
-``x_i, x_j <- (x_i + x_j) / 2``.
+Gossip SGD (``shared/PAPERS.md``, sections 3 and 4): after each local step a rank
+averages its model with its peers of the round (:mod:`hsgd.gossip.graphs`); there is no
+global collective in the step, only messages between peers (:mod:`hsgd.gossip.transport`).
+Every exchange is push-sum (Kempe et al. 2003; SGP's ``PushSum``, :func:`push_sum`), and
+a rank sends its model only when it moved enough since it last sent it (Ho et al.,
+CCGrid 2018; EventGraD's trigger). The traffic counters count every byte sent, headers
+included: ``intra_bytes`` to peers on this rank's node, ``inter_bytes`` to others.
 
-Adaptive communication (Ho et al., CCGrid 2018; EventGraD's trigger): a
-rank sends its model only when ``||x - x_sent|| > theta * ||x_sent||``,
-``x_sent`` being what it last sent. ``theta = 0`` sends every round,
-``theta = inf`` never communicates (no messages at all). A silent sender
-still sends a 16-byte header (a flag and its weight share, 0) every round
-it has a peer: the schedule says whom each rank hears from, so a receiver
-waits for one small message from a peer that is, by construction, in the
-same round, never for a sender's decision, and no deadlock is possible.
-
-The header and the model travel as one message (:mod:`hsgd.gossip.transport`
-says why). Messages are MPI point-to-point (``Isend``/``Irecv``), waited for without
-holding the core (:func:`hsgd._core.waits.wait_all`: ranks that share cores
-with each other or with the TCP stack would otherwise take the cycles the
-transfer needs); between ranks on one node MPICH and Open MPI carry them
-through shared memory. The traffic
-counters count every byte sent, headers included: ``intra_bytes`` to peers
-on this rank's node, ``inter_bytes`` to others.
-
-The model worth evaluating and saving is the consensus
-``sum(w_i x_i) / sum(w_i)`` (:meth:`GossipSGD.shared_state_dict`, one
-collective), never one rank's replica.
-
-Example::
-
-    >>> opt = hsgd.GossipSGD(torch.optim.SGD(model.parameters(), lr=0.05), model,
-    ...                      graph="exponential", theta=0.01)
-    >>> for x, y in loader:
-    ...     opt.zero_grad()
-    ...     loss_fn(model(x), y).backward()
-    ...     opt.step()           # local step, then one gossip round
-    >>> consensus = opt.shared_state_dict()
-    >>> opt.close()
+Invariants: every round leaves the total mass, and so the mean of all models weighted
+by ``w``, unchanged, whoever sends; a receiver waits only for peers that the schedule
+puts in the same round, never for a sender's decision, so no deadlock is possible. The
+model worth evaluating and saving is the consensus ``sum(w_i x_i) / sum(w_i)``
+(:meth:`GossipSGD.shared_state_dict`, one collective), never one rank's replica.
 """
 
 from __future__ import annotations
@@ -68,16 +37,22 @@ from .transport import GossipEngine
 __all__ = ["GossipSGD", "DEFAULT_THETA", "push_sum"]
 
 #: The default ``theta`` (and ``--gossip-theta``): on the default MNIST-1D run (4 ranks) it cut
-#: the bytes sent by 98.8% against every-step gossip (95.5% in a 5-epoch run) at the same test
-#: accuracy (docs/benchmarks.md). On a harder problem a smaller theta keeps replicas closer.
+#: nearly all the bytes of every-step gossip at the same test accuracy (docs/benchmarks.md,
+#: gossip with adaptive communication). On a harder problem a smaller theta keeps replicas closer.
 DEFAULT_THETA = 0.1
 #: The peer graphs, as a type: what ``graph`` takes (the keys of :data:`hsgd.gossip.graphs.GRAPHS`).
 GraphName = Literal["random", "ring", "exponential"]
 
 
 def push_sum(x: torch.Tensor, weight: float, received: List[Tuple[torch.Tensor, float]]) -> float:
-    """The mixing: ``x := (weight x + sum(w_i x_i)) / (weight + sum(w_i))`` over the
-    ``(x_i, w_i)`` received, in place; returns the new weight."""
+    """The mixing: ``x`` becomes ``(weight x + sum(w_i x_i)) / (weight + sum(w_i))`` over the
+    ``(x_i, w_i)`` received, in place; returns the new weight.
+
+    Each rank keeps a weight ``w`` (1 at the start) and its model ``x``; a rank that sends
+    to ``k`` peers keeps ``1/(k+1)`` of its mass ``(w x, w)`` and sends each peer the same
+    share; a receiver adds what arrives and divides by its new weight. On a symmetric graph
+    with every rank sending, ``w`` stays 1 and a pair's exchange is exactly
+    ``x_i, x_j <- (x_i + x_j) / 2``."""
     if not received:
         return weight
     total = weight + sum(w for _, w in received)
@@ -97,6 +72,22 @@ class GossipSGD(SyncMode):
         theta: send only when the model moved more than ``theta`` times the
             norm of what was last sent; 0 sends every round, ``math.inf`` never.
         seed: the shared seed of the ``"random"`` graph.
+
+    A rank sends its model only when ``||x - x_sent|| > theta * ||x_sent||``, ``x_sent``
+    being what it last sent; ``theta = inf`` sends no messages at all. A silent sender
+    still sends a 16-byte header (a flag and its weight share, 0) every round it has a
+    peer, so every receiver knows what to wait for.
+
+    Example::
+
+        >>> opt = hsgd.GossipSGD(torch.optim.SGD(model.parameters(), lr=0.05), model,
+        ...                      graph="exponential", theta=0.01)
+        >>> for x, y in loader:
+        ...     opt.zero_grad()
+        ...     loss_fn(model(x), y).backward()
+        ...     opt.step()           # local step, then one gossip round
+        >>> consensus = opt.shared_state_dict()
+        >>> opt.close()
     """
 
     name = "gossip"

@@ -1,32 +1,15 @@
 """The gossip family's engine: a flat replica, the peer graph, and the messages between peers.
 
-Kept apart as SGP keeps them: the *graph* (``hsgd.gossip.graphs``) says
-whom each rank hears from in a round, this *transport* moves a round's
-headers and models, and the *mixing* (push-sum, :func:`hsgd.gossip.sgd.push_sum`)
-says what a rank does with what arrived.
+Kept apart as SGP keeps them: the *graph* (:mod:`hsgd.gossip.graphs`) says whom each
+rank hears from in a round, this *transport* moves a round's headers and models, and
+the *mixing* (:func:`hsgd.gossip.sgd.push_sum`) says what a rank does with what arrived.
 
-A round is one message from every rank to each out-peer: a 16-byte header
-(whether a model follows, and the weight share that goes with it) and, if it
-sends, its model behind the header in the same buffer (the replica's frame,
-:class:`hsgd._engine.binding.FlatSlot` with ``header_bytes``). Every rank
-starts its sends, then its receives of whole frames (a header alone is a
-short message into the same receive), and waits for all of them without
-holding the core (:func:`hsgd._core.waits.wait_all`). Messages are MPI
-point-to-point (``Isend``/``Irecv``) on a duplicate of the world
-communicator (our tags never meet the user's).
-
-Why so: over TCP a large MPI message begins with a rendezvous (UCX's request
-to send, then the receiver's answer), and those small control messages wait
-in the link's queue behind whatever data is already in it. Sent as a header
-and then the model, whose receive was posted once the header had arrived, a
-pair that had finished its headers filled the queue before another pair's
-rendezvous had crossed; a receive posted before the send let a rank answer
-its peer's request, and the peer's data then went ahead of the answer to
-this rank's own. 2 emulated hosts x 2 ranks at 1 Gbit/s, 16 MB to the rank
-on the other host (``scripts/concurrent_streams.py``, the wire 267 ms):
-header then model, medians 389-394 ms; one message, receive first, medians
-268-276 ms with a third of the repeats at 345-522; one message, send first,
-266-284 ms in all 75 repeats of five runs.
+A round is one message from every rank to each out-peer: a 16-byte header (whether a
+model follows, and the weight share that goes with it) and, if it sends, its model
+behind the header in the same buffer (:class:`hsgd._engine.binding.FlatSlot` with
+``header_bytes``). Messages are MPI point-to-point (``Isend``/``Irecv``) on a duplicate
+of the world communicator (our tags never meet the user's); between ranks on one node
+MPICH and Open MPI carry them through shared memory.
 """
 
 from __future__ import annotations
@@ -91,12 +74,19 @@ class GossipEngine(Engine):
         self._head[0], self._head[1] = (1.0 if send else 0.0), share
         message = (self._frame if send else self._frame[:skip]).numpy()
         requests = []
+        # Over TCP a large MPI message begins with a rendezvous (UCX's request to send, then the
+        # receiver's answer), and those small control messages wait in the link's queue behind
+        # whatever data is already in it. Sent as a header, then the model, a pair that had
+        # finished its headers filled the queue before another pair's rendezvous had crossed;
+        # with receives posted first, a rank answered its peer's request and the peer's data
+        # went ahead of the answer to this rank's own. Hence one message per peer, sends first
+        # (measured: docs/benchmarks-appendix.md, the cost model against emulated links).
         for peer in outs:  # the sends first: their rendezvous leaves before any answer to the peers'
             requests.append(comm.Isend([message, self._mpi_type], dest=peer, tag=_TAG))
             self._count(peer, message.nbytes)
         requests += [comm.Irecv([frame.numpy(), self._mpi_type], source=peer, tag=_TAG)
                      for peer, frame in zip(ins, frames)]
-        wait_all(requests)
+        wait_all(requests)  # without holding the core: ranks may share cores with the TCP stack
         received = []
         for frame in frames:
             head = frame[:skip].view(torch.float64)

@@ -1,33 +1,12 @@
 """Two-level averaging of one flat buffer per rank: the engine under HierarchicalSGD.
 
-:class:`HierarchicalAverager` owns a node's :class:`~hsgd.intra_node.SharedSlots`
-and a level-2 strategy from :mod:`hsgd.inter_node`. Each rank fills its own
-slot (``averager.own(segment)``); :meth:`~HierarchicalAverager.average` then
-leaves the mean in every slot:
-
-``level="node"``: mean over the ranks of this node (one fused pass)::
-
-    fence; slice_i(all slots) := mean_j slice_i(slot_j); fence
-
-``level="global"``: mean over all ranks, every rank weighing ``1/world``::
-
-    fence; slice_i(slot_0) := sum_j slice_i(slot_j)         # level 1
-    fence; slot_0 := sum over nodes (leader or sharded)      # level 2
-    fence; slice_i(all slots) := slice_i(slot_0) / world     # spread back
-    fence
-
-With a single node, ``"global"`` is the fused one-pass node mean. Set
-:attr:`~HierarchicalAverager.on_phase` to receive the time of every
+:class:`HierarchicalAverager` owns a node's :class:`~hsgd.intra_node.SharedSlots` and a
+level-2 strategy from :mod:`hsgd.inter_node`. Each rank fills its own slot
+(``averager.own(segment)``); :meth:`~HierarchicalAverager.average` then leaves the mean
+in every slot: over the node (``level="node"``, one fused pass) or over all ranks
+(``level="global"``, every rank weighing ``1/world``; with a single node the fused
+node mean). :attr:`~HierarchicalAverager.on_phase` receives the time of every
 ``"intra"`` and ``"inter"`` phase, for the trainer's time breakdown.
-
-Example::
-
-    >>> avg = HierarchicalAverager(topo, Layout([(torch.float64, 17)]))
-    >>> avg.own(0).fill_(topo.rank)
-    >>> avg.average("global")
-    >>> avg.own(0)[0].item() == (topo.size - 1) / 2
-    True
-    >>> avg.close()
 """
 
 from __future__ import annotations
@@ -48,7 +27,23 @@ LEVELS = ("node", "global")
 
 
 class HierarchicalAverager(Closable):
-    """Averages each rank's slot over its node or over all ranks. Collective."""
+    """Averages each rank's slot over its node or over all ranks. Collective.
+
+    ``level="node"``, one fused pass: fence; slice ``i`` of every slot becomes the mean over
+    the slots ``j`` of their slice ``i``; fence. ``level="global"``: fence; slice ``i`` of
+    slot 0 becomes the sum over ``j`` of slice ``i`` of slot ``j`` (level 1); fence; slot 0
+    is summed over the nodes (leader or sharded, level 2); fence; slice ``i`` of every slot
+    becomes slice ``i`` of slot 0 over ``world`` (the spread back); fence.
+
+    Example::
+
+        >>> avg = HierarchicalAverager(topo, Layout([(torch.float64, 17)]))
+        >>> avg.own(0).fill_(topo.rank)
+        >>> avg.average("global")
+        >>> avg.own(0)[0].item() == (topo.size - 1) / 2
+        True
+        >>> avg.close()
+    """
 
     def __init__(self, topology, layout: Layout, inter_node: str = "leader", compression=None):
         self.topology = topology
@@ -123,13 +118,13 @@ class HierarchicalAverager(Closable):
     # (every segment whole). No fences: the caller orders the ranks (average() above, or the
     # per-bucket flags of hsgd._engine.overlap).
     def node_mean_of(self, span, scale: float) -> None:
-        """This rank's slice of ``span`` in every slot := ``scale`` / local size * their sum."""
+        """Set this rank's slice of ``span`` in every slot to their sum times ``scale`` / local size."""
         if self.slots.local_size == 1 and scale == 1.0:
             return
         self.traffic.add_intra(self.slots.reduce_broadcast(scale / self.slots.local_size, span))
 
     def reduce_of(self, span) -> None:
-        """This rank's slice of ``span`` in slot 0 := its sum over the node's slots."""
+        """Set this rank's slice of ``span`` in slot 0 to its sum over the node's slots."""
         self.traffic.add_intra(self.slots.reduce_to_first(span))
 
     def across_of(self, span) -> None:
@@ -152,7 +147,7 @@ class HierarchicalAverager(Closable):
         return pending
 
     def spread_of(self, span, scale: float) -> None:
-        """This rank's slice of ``span`` in every slot := ``scale`` * that of slot 0."""
+        """Set this rank's slice of ``span`` in every slot to ``scale`` times that of slot 0."""
         self.traffic.add_intra(self.slots.broadcast_from_first(scale, span))
 
     def _close(self) -> None:

@@ -87,7 +87,8 @@ class HierarchicalEngine(Engine):
         self.outer.on_phase = self.averager.on_phase
 
     def average(self, level: str, weight: float, passes: int = 1) -> None:
-        """Every rank's bound tensors := the ``level`` mean of ``weight`` x them, / ``passes``."""
+        """Replace every rank's bound tensors by their mean over ``level``, each rank's weighted by
+        ``weight`` and the result divided by ``passes``."""
         self.binding.gather()
         if weight != 1.0:
             self.binding.scale_(weight)

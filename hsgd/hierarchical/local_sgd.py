@@ -2,40 +2,17 @@
 and ``HierarchicalDiLoCo``: the global round as DiLoCo's outer step.
 
 Hierarchical local SGD (Lin et al., ICLR 2020, https://arxiv.org/abs/1808.07217):
-every rank steps on its own gradients; the parameters are then averaged
-within the node when ``t % intra_period == 0`` and over all ranks when
-``t % (intra_period * inter_period) == 0``, where ``t`` counts the steps
-taken before this one (0, 1, 2, ...). These are the semantics of torch's
-``HierarchicalModelAverager``; periods of 1 average all parameters after
-every step, which equals synchronous SGD for plain SGD without momentum.
+every rank steps on its own gradients; the parameters are then averaged within the
+node when ``t % intra_period == 0`` and over all ranks when
+``t % (intra_period * inter_period) == 0``, where ``t`` counts the steps taken before
+this one (torch's ``HierarchicalModelAverager``'s semantics). Periods of 1 equal
+synchronous SGD for plain SGD without momentum. With ``outer_optimizer`` the global
+round is DiLoCo's (:mod:`hsgd.hierarchical.outer`); ``lambda p: torch.optim.SGD(p,
+lr=1.0)`` gives plain hierarchical local SGD again.
 
-With ``outer_optimizer`` the global round is DiLoCo's (:mod:`hsgd.hierarchical.outer`):
-the pseudo-gradient ``θ_g − mean θ`` is averaged with the two levels (and
-compressed across nodes), an outer optimizer steps the global parameters
-``θ_g`` with it, and every rank continues from ``θ_g``; the node level every
-``intra_period`` steps stays a plain average. ``fragments`` (streaming
-DiLoCo) syncs the model in that many pieces at staggered steps, each merged
-``fragment_sync_delay`` steps after its sync started (the inter-node sums run
-meanwhile) and mixed with the local weights by ``fragment_update_alpha``.
-With ``outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0)`` the result is
-plain hierarchical local SGD.
-
-The parameters *are* views into this rank's slot of the shared window, so
-the optimizer's update writes straight into shared memory. Between global
+The parameters *are* views into this rank's slot of the shared window. Between global
 averagings the ranks' models differ: evaluate and save their average
 (``hsgd.replicas.averaged_state_dict``), as the trainer does.
-
-Example::
-
-    >>> opt = HierarchicalLocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
-    ...                            intra_period=4, inter_period=8)
-    >>> for x, y in loader:
-    ...     opt.zero_grad()
-    ...     loss_fn(model(x), y).backward()
-    ...     opt.step()        # local step; averages on steps 0, 4, 8, ... (node) and 0, 32, ... (all)
-    >>> opt.close()
-    >>> opt = HierarchicalDiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-3), model,
-    ...                          intra_period=10, inter_period=50)  # outer SGD, lr 0.7, Nesterov 0.9
 """
 
 from __future__ import annotations
@@ -77,6 +54,21 @@ class HierarchicalLocalSGD(HierarchicalMode):
         fragment_sync_delay: merge a fragment this many steps after its sync started
             (``0 <= delay < intra_period * inter_period``); its inter-node sums run meanwhile.
         fragment_update_alpha: a merged fragment is ``alpha * local + (1 - alpha) * global``.
+
+    With ``outer_optimizer`` the pseudo-gradient ``θ_g − mean θ`` is averaged with the two
+    levels (and compressed across nodes), the outer optimizer steps the global parameters
+    ``θ_g`` with it, and every rank continues from ``θ_g``; the node level every
+    ``intra_period`` steps stays a plain average.
+
+    Example::
+
+        >>> opt = HierarchicalLocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
+        ...                            intra_period=4, inter_period=8)
+        >>> for x, y in loader:
+        ...     opt.zero_grad()
+        ...     loss_fn(model(x), y).backward()
+        ...     opt.step()        # local step; averages on steps 0, 4, 8, ... (node) and 0, 32, ... (all)
+        >>> opt.close()
     """
 
     name = "local"
@@ -190,7 +182,13 @@ class HierarchicalDiLoCo(HierarchicalLocalSGD):
     """:class:`HierarchicalLocalSGD` with DiLoCo's outer step: SGD on the global parameters
     with learning rate ``outer_lr``, momentum ``outer_momentum`` and Nesterov
     (``outer_nesterov``); the defaults are DiLoCo's (0.7, 0.9, Nesterov). The other
-    arguments are :class:`HierarchicalLocalSGD`'s."""
+    arguments are :class:`HierarchicalLocalSGD`'s.
+
+    Example::
+
+        >>> opt = HierarchicalDiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-3), model,
+        ...                          intra_period=10, inter_period=50)  # outer SGD, lr 0.7, Nesterov 0.9
+    """
 
     name = "diloco"
 

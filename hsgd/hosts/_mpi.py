@@ -1,34 +1,14 @@
 """Starting MPI ranks on emulated hosts, with TCP forced between them.
 
-Both launchers start their daemons through a remote shell, called as
-``RSH [options] HOST COMMAND...``; for emulated hosts that shell is a small
-script (written once per run, :func:`write_rsh`) that runs ``COMMAND`` in
-``HOST``'s UTS and network namespaces (``nsenter --uts`` then ``ip netns
-exec``, which also gives the host its own ``/sys/class/net``):
+Both launchers start their daemons through a remote shell, called as ``RSH [options]
+HOST COMMAND...``; for emulated hosts that shell is a small script (:func:`write_rsh`)
+that runs ``COMMAND`` in ``HOST``'s UTS and network namespaces (``nsenter --uts`` then
+``ip netns exec``, which also gives the host its own ``/sys/class/net``). Ranks fill
+the hosts in order: ranks ``0..K1-1`` on the first host, and so on.
 
-- MPICH (hydra): ``mpiexec -launcher ssh -launcher-exec RSH -iface BRIDGE
-  -hosts A1:K1,A2:K2 -n N ...``; the proxies call back to ``mpiexec`` on the
-  bridge's address.
-- Open MPI (PRRTE): ``mpiexec --mca plm_rsh_agent RSH --host A1:K1,A2:K2 -n N
-  ...``, its daemons' and the byte transfer layer's TCP kept on the hosts'
-  subnet, no binding to cores (every host shares this machine's cores).
-
-Ranks fill the hosts in order: ranks ``0..K1-1`` on the first host, and so on.
-Every rank gets ``OMP_NUM_THREADS=<cores / ranks>`` unless its environment
-sets it (a ``sh -c`` prefix): the hosts share this machine's cores, and a rank
-that sizes its threads by the ranks of its own host would take them all.
-
-Every host runs on one kernel, so an MPI that looks for shared memory finds
-it between the hosts too, and the bytes never cross the links:
-
-- MPICH's default UCX network module uses shared memory between ranks of one
-  kernel: :func:`tcp_env` sets ``UCX_TLS=tcp,self`` (and ``FI_PROVIDER=tcp``
-  for MPICH's OFI module). Ranks on one host still meet through MPICH's own
-  shared memory, as on a real node.
-- Open MPI's UCX components would do the same: the command asks for the
-  ``ob1`` messaging layer over ``tcp,sm,self`` (``sm`` only between ranks
-  that PRRTE places on one host) and one-sided operations over it.
-
+Every host runs on one kernel, so an MPI that looks for shared memory finds it between
+the hosts too, and the bytes never cross the links: :func:`tcp_env` and
+:func:`launch_command` keep them on TCP, and
 :meth:`hsgd.hosts.EmulatedHosts.counters` then shows what crossed.
 """
 
@@ -74,7 +54,14 @@ exec nsenter --uts="$uts" -- ip netns exec "$ns" sh -c "$*"
 def launch_command(state: Dict, rsh: str, launcher: str, flavour: str, ranks_per_host: Sequence[int],
                    args: Sequence[str]) -> List[str]:
     """``mpiexec`` (``launcher``, an ``"mpich"`` or ``"openmpi"`` one) running ``args`` with
-    ``ranks_per_host[i]`` ranks on host ``i``."""
+    ``ranks_per_host[i]`` ranks on host ``i``.
+
+    MPICH (hydra): ``mpiexec -launcher ssh -launcher-exec RSH -iface BRIDGE -hosts
+    A1:K1,A2:K2 -n N ...``; the proxies call back to ``mpiexec`` on the bridge's address.
+    Open MPI (PRRTE): ``mpiexec --mca plm_rsh_agent RSH --host A1:K1,A2:K2 -n N ...``, its
+    daemons' and the byte transfer layer's TCP kept on the hosts' subnet, the ``ob1``
+    messaging layer over ``tcp,sm,self`` (``sm`` only between ranks that PRRTE places on one
+    host), no binding to cores (every host shares this machine's cores)."""
     placed = [(h, k) for h, k in zip(state["hosts"], ranks_per_host) if k > 0]
     hosts = ",".join(f"{h['address']}:{k}" for h, k in placed)
     total = str(sum(k for _, k in placed))
@@ -92,18 +79,22 @@ def _thread_share(ranks: int) -> List[str]:
     """A prefix that sets ``OMP_NUM_THREADS`` to this machine's cores / ``ranks`` in the rank's
     environment, unless the rank's environment already has it (the job's, as the launcher
     passes it on): the emulated hosts share this machine's cores, which a rank cannot see (its
-    host's ranks are all it finds), so by the host's count every rank would take every core.
-    Measured: one epoch of the trainer on 2 hosts x 1 rank, 2 cores, spent 3.2-3.8 s computing
-    with 2 threads per rank, 0.36 s with 1."""
+    host's ranks are all it finds), so by the host's count every rank would take every core,
+    and the trainer's compute on 2 hosts x 1 rank, 2 cores, was many times slower."""
     share = max(1, len(os.sched_getaffinity(0)) // max(1, ranks))
     return ["sh", "-c", f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{share}}}"; exec "$@"', "hsgd-rank"]
 
 
 def tcp_env(flavour: str) -> Dict[str, str]:
-    """The variables that keep the MPI's bytes between hosts on TCP (see the module doc)."""
+    """The variables that keep the MPI's bytes between hosts on TCP.
+
+    MPICH's default UCX network module uses shared memory between ranks of one kernel:
+    ``UCX_TLS=tcp,self`` (and ``FI_PROVIDER=tcp`` for MPICH's OFI module). Ranks on one host
+    still meet through MPICH's own shared memory, as on a real node. Open MPI's UCX
+    components would do the same: ``ob1`` over ``tcp,sm,self``, one-sided operations over it."""
     if flavour == "openmpi":
         # The hosts share this machine's cores, which PRRTE does not know: without yielding, a
-        # rank that polls starves the others (an 8 MB allreduce on 2+2 ranks, 2 cores: 1 s, 25 ms).
+        # rank that polls starves the others (an 8 MB allreduce: docs/hosts.md).
         return {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,sm,self", "OMPI_MCA_osc": "sm,rdma",
                 "OMPI_MCA_mpi_yield_when_idle": "1"}
     return {"UCX_TLS": "tcp,self", "FI_PROVIDER": "tcp"}

@@ -1,28 +1,17 @@
 """The plumbing of emulated hosts: network namespaces, veth pairs, a bridge, tbf, UTS names.
 
-Every emulated host ``i`` of a run ``ID`` is:
+Every emulated host ``i`` of a run ``ID`` is a network namespace ``hsgd-ID-hI`` whose
+only interfaces are ``lo`` and ``eth0`` (address ``10.A.B.(I+2)/24``); a UTS namespace
+with the hostname ``hsgd-ID-hI``, kept alive by a bind mount on
+``/run/hsgd-hosts/ID/uts-I``, so that Open MPI and the logs see distinct host names; a
+veth pair, ``eth0`` inside and ``hsgdvIDI`` outside on the bridge ``hsgdbID`` (address
+``10.A.B.1``, where the launcher listens); and a link shaped by ``tc ... tbf`` on both
+ends of the pair, like a full-duplex switch port. The outer end's counters say what the
+host sent (``rx_bytes``) and received (``tx_bytes``), read from the root namespace.
 
-- a network namespace ``hsgd-ID-hI`` (``ip netns``) whose only interfaces are
-  ``lo`` and ``eth0``, with address ``10.A.B.(I+2)/24``;
-- a UTS namespace with the hostname ``hsgd-ID-hI``, kept alive by a bind mount
-  on ``/run/hsgd-hosts/ID/uts-I`` (``unshare --uts=FILE``), so that Open MPI
-  and the logs see distinct host names;
-- a veth pair: ``eth0`` inside, ``hsgdvIDI`` outside, enslaved to the bridge
-  ``hsgdbID`` (address ``10.A.B.1``, where the launcher listens);
-- a link shaped by ``tc ... tbf`` on both ends of the pair (egress of ``eth0``:
-  what the host sends; egress of the outer end: what it receives), like a
-  full-duplex port on a switch. netem is not needed (and not in every kernel).
-
-The outer end's counters say what the host sent (``rx_bytes``) and received
-(``tx_bytes``), read from the root namespace without entering the host.
-
-All names carry the run's random ``ID`` (6 hex digits; interface names stay
-within Linux's 15 characters), so that runs beside each other never collide.
-The run's state (what was made, the owner's pid) is written to
-``/run/hsgd-hosts/ID/state.json`` *before* anything is made, so that
-:func:`teardown` can always remove whatever exists, from this process, from
-the guard process that outlives it (:mod:`hsgd.hosts._guard`), or from
-``python -m hsgd.hosts clean``.
+Invariant: the run's state is written to ``/run/hsgd-hosts/ID/state.json`` *before*
+anything is made, so :func:`teardown` can always remove whatever exists, from this
+process, the guard process (:mod:`hsgd.hosts._guard`) or ``python -m hsgd.hosts clean``.
 """
 
 from __future__ import annotations
@@ -124,7 +113,10 @@ def _start_time(pid: int) -> Optional[str]:
 
 
 def new_run(num_hosts: int, rates: Sequence[Optional[int]]) -> Dict:
-    """Reserve a run id and its state directory, and describe the run (nothing made yet)."""
+    """Reserve a run id and its state directory, and describe the run (nothing made yet).
+
+    All names carry the run's random ``ID`` (6 hex digits; interface names stay within
+    Linux's 15 characters), so that runs beside each other never collide."""
     STATE_ROOT.mkdir(parents=True, exist_ok=True)
     for _ in range(100):
         run_id = secrets.token_hex(3)

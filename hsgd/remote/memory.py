@@ -1,71 +1,18 @@
 """``RemoteMemory``: a region of remote memory that ranks write, read and accumulate into.
 
-The idea of Soft Memory Box and of RDMA-as-a-device (``shared/PAPERS.md``):
-memory on another machine is a device. A worker writes into it, reads from
-it and accumulates into it, and the machine that owns the memory runs no
-code for any of it.
-
-The region is one logical array of ``numel`` elements of one ``dtype``,
-sharded in contiguous blocks over the ``owners`` ranks (default: each
-node's leader). Offsets are global; a transfer that spans shards is split
-here. Example (every rank runs it)::
+Memory on another machine used as a device (Soft Memory Box; ``shared/PAPERS.md``):
+workers write, read and accumulate, and the owner runs no code for any of it. One
+array of ``numel`` elements of one ``dtype``, sharded in contiguous blocks over
+``owners`` (default: each node's leader); offsets are global. Every rank runs::
 
     >>> mem = RemoteMemory(comm, 1000)        # collective; zero-filled
     >>> mem.accumulate(0, torch.ones(1000))   # element-wise atomic sum
-    >>> comm.Barrier()                         # orders it before the reads below
-    >>> out = torch.empty(10)
-    >>> mem.read(0, out)                       # every element is comm.size now
-    >>> with mem.lock():                       # one rank at a time
-    ...     ...
+    >>> comm.Barrier()                         # orders it before the read below
+    >>> mem.read(0, torch.empty(10))           # every element is comm.size now
     >>> mem.close()                            # collective
 
-How it works, and why so:
-
-- One RMA window, ``MPI.Win.Allocate`` over ``comm`` (owners allocate their
-  shard, the others nothing), with one passive-target epoch opened at
-  construction, ``Lock_all(MPI.MODE_NOCHECK)``, and closed by :meth:`close`.
-  A write ``Put``s chunk by chunk, each flushed; an accumulate issues every
-  chunk to every owner, then ``Flush``es each owner; a read ``Rget``s
-  pieces of 0.5 ms on the link, at least 64 KiB (:mod:`hsgd.remote.pacing`), two in
-  flight per owner, from all owners at once
-  (:func:`hsgd.remote.reads.get_windowed` says why). When an operation returns,
-  its data is in the region (or in the reader's buffer). No rank
-  takes a lock on the window per operation. That matters: MPICH grants a
-  passive-target lock (``Win.Lock``, or ``Lock_all`` without ``NOCHECK``)
-  only when the owner enters MPI, so an owner busy computing delays every
-  other rank (3.0 s measured for a 3 s computation, for mpi4py's
-  ``util.sync.Mutex`` as well). ``MODE_NOCHECK`` is valid because this
-  window is only ever locked shared.
-- ``Win.Allocate`` lets MPI put the memory where its ranks on the same host
-  reach it directly. Owners on the caller's node are read and written
-  through that shared memory (``Win.Shared_query``, MPI-4) where the MPI
-  supports it for such windows (MPICH does; Open MPI 5 does not, and then
-  the same operations go through RMA, which it also does over shared
-  memory). Accumulates always go through ``MPI_Accumulate``, whose
-  element-wise atomicity holds among all accumulates to the window, from
-  whatever node.
-- Transfers go in chunks of at most ``chunk_bytes`` (1 MiB by default):
-  single multi-hundred-megabyte RMA operations stall on some MPIs, and
-  across hosts over TCP (MPICH, UCX) accumulates of 4 MiB chunks ran below
-  the wire rate where those of 1 MiB did not (16 MB from each of 3 hosts
-  into the other two, 1 Gbit/s: 123-130 ms against 91-93, the wire 89).
-- Across hosts, an owner that runs no MPI calls still serves operations when
-  the network does RMA in hardware (InfiniBand, RoCE, Slingshot through UCX
-  or libfabric). Over plain TCP the owner's MPI library moves the data, so
-  it must make progress: a region whose ranks span hosts rings a doorbell
-  on the owner before each operation, and the owner runs a progress thread
-  of hsgd's own that polls MPI while doorbells come in, and backs off to a
-  slow poll when none do (``hsgd.remote.progress``). Nothing to set.
-- The lock and the version counter live in a small second window on
-  ``owners[0]``, driven the same way (``Compare_and_swap`` and
-  ``Fetch_and_op``). mpi4py's ``util.sync.Mutex`` and ``Counter`` are the
-  model, but they open a lock epoch per operation (see above), so they are
-  not used.
-
-Bad offsets, sizes, dtypes and use after :meth:`close` raise ``ValueError``,
-``TypeError`` or ``RuntimeError`` before any MPI call. Construction checks
-its arguments on every rank and agrees, so a bad value raises the same
-:class:`~hsgd.errors.InputError` everywhere.
+When an operation returns its data is in the region (or the reader's buffer); bad
+arguments and use after :meth:`close` raise before any MPI call. Design: docs/box.md.
 """
 
 from __future__ import annotations
@@ -90,6 +37,9 @@ from .reads import get_windowed
 
 __all__ = ["RemoteMemory", "DTYPES", "DEFAULT_CHUNK_BYTES"]
 
+# The largest single RMA transfer. Single multi-hundred-megabyte RMA operations stall on some
+# MPIs, and across hosts over TCP accumulates of 4 MiB chunks ran below the wire rate where
+# those of 1 MiB did not (docs/benchmarks-appendix.md, the cost model against emulated links).
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 class RemoteMemory(Closable):
@@ -129,10 +79,21 @@ class RemoteMemory(Closable):
 
         info = MPI.Info.Create()
         info.update({"accumulate_ordering": "none", "same_disp_unit": "true"})
+        # Allocate, not Create: MPI may then put the memory where ranks on the same host reach
+        # it directly (_shared_view). Owners allocate their shard, the others nothing.
         self._win = MPI.Win.Allocate(shard * self.itemsize, self.itemsize, info, comm)
+        # Over plain TCP the owner's MPI library moves the data, so an owner on another host must
+        # make progress: origins ring its doorbell before each operation and its progress thread
+        # polls MPI (hsgd.remote.progress). With RDMA in hardware the owner needs none of it.
         self._bells = Doorbells(comm, serves=rank in owners, idle=progress_idle)
+        # The lock and the version counter, in a small second window on owners[0]. Not mpi4py's
+        # util.sync.Mutex and Counter: they open a lock epoch per operation (see below).
         self._ctl = ControlWords(comm, owners[0], info, self._bells)
         info.Free()
+        # One passive-target epoch for the window's whole life (closed in _close), and no lock
+        # per operation: MPICH grants a passive-target lock only when the owner enters MPI, so
+        # an owner busy computing would delay every other rank. NOCHECK is valid because this
+        # window is only ever locked shared.
         self._win.Lock_all(MPI.MODE_NOCHECK)
         # Zero the own shard (Win.Allocate does not), then make it visible to all.
         if shard:
@@ -147,7 +108,12 @@ class RemoteMemory(Closable):
         self._opened()
 
     def _shared_view(self, owner: int) -> Optional[np.ndarray]:
-        """``owner``'s shard as this process's memory, where the MPI maps it here."""
+        """``owner``'s shard as this process's memory, where the MPI maps it here.
+
+        Owners on the caller's node are then read and written by load and store. MPICH maps
+        ``Win.Allocate`` windows; Open MPI 5 does not, and the same operations go through RMA,
+        which it also does over shared memory.
+        """
         index = self.owners.index(owner)
         count = int(self._starts[index + 1] - self._starts[index])
         if owner == self.comm.Get_rank():
@@ -238,6 +204,8 @@ class RemoteMemory(Closable):
             else:
                 queues.setdefault(owner, deque()).append((dst[first:stop], disp))
             self._count(owner, stop - first)
+        # Pieces sized by their time on the link, two in flight per owner, all owners at once
+        # (hsgd.remote.reads.get_windowed says why).
         get_windowed(self._win, self._mpi_type, self.itemsize, self._bells,
                      {owner: self._pacer(owner) for owner in queues}, queues)
         if not direct:
@@ -263,6 +231,8 @@ class RemoteMemory(Closable):
         self.accumulate_wait()
         src = tensor.detach().reshape(-1).cpu().contiguous().numpy()
         owners = []
+        # Always RMA, also to owners on this node: MPI_Accumulate's per-element atomicity holds
+        # only among accumulates, from whatever node.
         for owner, first, stop, disp in pieces(self._starts, self.owners, offset, src.size):
             self._rma("accumulate", owner, src[first:stop], disp, flush=False)
             self._count(owner, stop - first)

@@ -1,29 +1,17 @@
 """How much a windowed read asks one owner for at a time: sized by time on the link, not bytes.
 
-Over TCP a one-sided read is a request to the owner and the owner's answer,
-on the one connection each way between two processes. Whatever the owner has
-queued on that connection (answers to this rank's reads, and equally its
-answers to the *other* ranks reading from it at the same time) comes before
-any later message it sends: a doorbell, a flush's acknowledgement, a control
-word's answer, or its own read requests. So a read keeps only a small window
-in flight per owner (two pieces), and the pieces should be short *in time*:
-a fixed 1 MiB piece is 8 ms at 1 Gbit/s but 90 ms at 100 Mbit/s, and at that
-rate the box step at 2 hosts x 1 rank, 1 MB, took 111 ms against a wire limit
-of 84 (a rank's version bump waited 41 ms behind its answers to the other
-rank's read). With pieces of 64 KiB it took 84 ms, and 64 KiB pieces were
-as fast as any larger ones at 1 Gbit/s too (3 hosts x 1 rank, 16 MB: 189 ms
-against 206 for 256 KiB, the wire 179). Fixed small pieces would cost the
-fast networks instead: each piece is a few Python and MPI calls, so at
-64 KiB a 100 Gbit/s link would be idle between pieces (arithmetic, not
-measured here: 64 KiB is 5 us at 100 Gbit/s).
-
-A :class:`Pacer` per owner measures the rate at which a read's pieces from
-that owner arrive (the bytes arrived since the read began, over the time since
-it began: single pieces are no measure, two of them often arrive together)
-and sizes the next piece to take ``target`` seconds (0.5 ms) at that rate,
-between ``least`` (64 KiB) and ``most`` bytes (the region's chunk): 64 KiB up
-to 1 Gbit/s, larger pieces from about 1 Gbit/s up. The rate carries over to
-the next read.
+Over TCP a one-sided read is a request and the owner's answer, on the one connection
+each way between two processes. Whatever the owner has queued on that connection
+(answers to this rank's reads and to other ranks' reads) comes before any later
+message it sends: a doorbell, a flush's acknowledgement, a control word's answer, its
+own read requests. So a read keeps two pieces in flight per owner, and the pieces
+are short *in time*: a fixed 1 MiB piece is short at 1 Gbit/s but ten times longer
+at 100 Mbit/s, and fixed small pieces would leave a 100 Gbit/s link idle between
+pieces (each is a few Python and MPI calls). A :class:`Pacer` per owner measures the
+rate at which a read's pieces arrive (bytes since the read began over the time since
+it began: single pieces are no measure, two often arrive together) and sizes the next
+piece to take ``TARGET_S`` at that rate, between ``least`` and ``most`` bytes. The
+rate carries over to the next read. Figures: docs/benchmarks-appendix.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,18 @@
 """Progress for one-sided operations across hosts: doorbells and a polling thread of hsgd's own.
 
 Over a network without RMA in hardware (plain TCP: MPICH's UCX ``tcp``
-transport, libfabric's ``tcp`` provider, Open MPI's ``tcp`` BTL), the owner's
-MPI library moves the bytes of a ``Put``, ``Get`` or ``Accumulate``: an
-operation completes only while the *owner* is inside an MPI call. An owner
-that computes stalls every rank that reads or writes its memory (measured
-across two emulated hosts: a 16 MB read and accumulate took 3.1 s while the
-owner computed for 3 s, 0.12-0.14 s with the thread below), and a rank that
-spins on shared memory waiting for a rank that waits on it deadlocks.
-MPICH's ``MPIR_CVAR_ASYNC_PROGRESS=1`` fixes that with a thread per rank that
-spins inside MPI: a core per rank.
+transport, libfabric's ``tcp`` provider, Open MPI's ``tcp`` BTL) an operation
+completes only while the *owner* is inside an MPI call, so an owner that computes
+stalls every rank that reads or writes its memory, and a rank that spins on
+shared memory waiting for a rank that waits on it deadlocks. MPICH's
+``MPIR_CVAR_ASYNC_PROGRESS=1`` fixes that with a thread per rank spinning inside
+MPI: a core per rank. Here instead origins ring a :class:`Doorbells` message of
+no bytes before an operation, and one :class:`ProgressThread` per owning process
+polls MPI, fast after a doorbell and slowly otherwise.
 
-Here, instead:
-
-- **Doorbells.** Before a one-sided operation on an owner on another host, the
-  origin sends that owner a message of no bytes on the region's own
-  communicator (:class:`Doorbells`), at most one every ``RING_S`` per owner;
-  a long transfer rings again before each chunk.
-- **A progress thread** (:class:`ProgressThread`, one per process, running
-  only while this rank owns memory of a region that spans hosts) calls
-  ``MPI_Iprobe`` on those communicators, which drives the MPI library's
-  progress engine, and receives the doorbells. Idle, it polls every
-  ``IDLE_S``, only to hear a doorbell; a doorbell makes it poll every
-  ``HOT_S``, and each poll without one doubles the wait, up to ``WARM_S``
-  for ``WINDOW_S`` after the doorbell (an origin blocked in a long transfer
-  cannot ring again), then back to ``IDLE_S``. Bulk transfers need little:
-  the sockets buffer what arrives between polls (16 MB at 1 Gbit/s at 91%
-  of the wire rate with 5 ms between polls).
-
-Ranks of one host reach each other's memory directly or through MPI's shared
-memory, which needs no progress: a region whose ranks all share one host
-(``MPI_COMM_TYPE_SHARED``) has no doorbells and starts no thread.
-
-The thread needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default); without it a
-region across hosts warns once and works as before: its operations wait for
-the owner to call MPI. ``HSGD_PROGRESS=0`` turns the thread off.
+A region whose ranks all share one host has neither. The thread needs
+``MPI_THREAD_MULTIPLE`` (mpi4py's default); without it a region across hosts warns
+once and waits for the owner to call MPI. ``HSGD_PROGRESS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -61,7 +39,16 @@ _TAG = 31173     # the doorbells' tag, on the region's private communicator
 
 
 class ProgressThread:
-    """The process's polling thread: serves the doorbell communicators registered with it."""
+    """The process's polling thread: serves the doorbell communicators registered with it.
+
+    It runs only while this rank owns memory of a region that spans hosts, and calls
+    ``MPI_Iprobe`` on those communicators, which drives the MPI library's progress engine
+    and receives the doorbells. Idle, it polls every ``IDLE_S``, only to hear a doorbell; a
+    doorbell makes it poll every ``HOT_S``, each poll without one doubling the wait up to
+    ``WARM_S`` for ``WINDOW_S`` after the doorbell (an origin blocked in a long transfer
+    cannot ring again), then back to ``IDLE_S``. Bulk transfers need little: the sockets
+    buffer what arrives between polls.
+    """
 
     _instance: Optional[ProgressThread] = None
     _guard = threading.Lock()
@@ -182,6 +169,8 @@ class Doorbells:
             self._last[owner] = now
             self._sent[owner] += 1
             assert self.comm is not None  # an owner on another host: active, and not closed
+            # A message of no bytes on the region's own communicator; a long transfer rings
+            # again before each chunk.
             self.comm.Isend([np.empty(0, dtype=np.uint8), MPI.BYTE], owner, _TAG).Free()
 
     def poll(self) -> int:

@@ -31,9 +31,9 @@ def get_windowed(win, mpi_type, itemsize: int, bells, pacers: Dict[int, Pacer],
     one connection each way between two processes. Everything this rank asks for at once
     is queued on the owner's side of that connection, and every later message the owner
     sends this rank (its own read requests, its accumulates, the control word's answers)
-    waits behind it: with the whole 8 MB asked for at once, a rank that started reading
-    3 ms later took 116 ms instead of 64 (two hosts, 1 Gbit/s). The pieces are sized by
-    their time on the link (:class:`~hsgd.remote.pacing.Pacer`: 0.5 ms, at least 64 KiB), so the
+    waits behind it: with a whole model asked for at once, a rank that started reading a
+    little later took nearly twice as long. The pieces are sized by their time on the link
+    (:class:`~hsgd.remote.pacing.Pacer`: ``TARGET_S``, at least ``LEAST_BYTES``), so the
     queue drains in a few milliseconds on a slow link as on a fast one."""
     inflight: Dict[int, Deque[Tuple[MPI.Request, int]]] = {owner: deque() for owner in queues}
     began = time.monotonic()
