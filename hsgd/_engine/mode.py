@@ -43,7 +43,7 @@ from .._core.closable import Closable
 from .._core.forward import forwarded
 from ..errors import InputTypeError, InputValueError
 from ..faults import protect
-from ..faults.stall import StallInspector
+from ..faults.stall import Stall, StallInspector, StallSettings
 from ..replicas import averaged_state_dict, broadcast_optimizer_state, broadcast_parameters, check_same_model
 from ..topology import Topology
 from .binding import SlotBinding
@@ -88,14 +88,12 @@ def _check_common(optimizer, model) -> None:
                                       "parameter of the model; pass the model whose parameters it trains")
 
 
-def _check_stall(stall, comm, settings) -> None:
-    if stall is None:
+def _check_stall(stall, comm) -> None:
+    if stall is None or isinstance(stall, StallSettings):
         return
     if not isinstance(stall, StallInspector):
-        raise InputTypeError(f"stall must be a hsgd.faults.StallInspector or None, got {type(stall).__name__}")
-    if any(value is not None for value in settings):
-        raise InputValueError("pass either stall (an inspector, with its own settings) or "
-                              "stall_timeout/stall_abort/stall_abort_after, not both")
+        raise InputTypeError(f"stall must be a hsgd.faults.StallSettings, a hsgd.faults.StallInspector or None, "
+                             f"got {type(stall).__name__}")
     from mpi4py import MPI
 
     if stall.closed or MPI.Comm.Compare(stall.comm, comm) not in (MPI.IDENT, MPI.CONGRUENT):
@@ -118,15 +116,14 @@ class SyncMode(InnerOptimizer, Closable):
         broadcast: copy parameters and buffers from rank 0 at construction.
         settings: the subclass's own arguments, checked by ``_check()`` and compared
             across ranks.
-        stall_timeout, stall_abort, stall_abort_after: the stall inspector's
-            (``hsgd.faults.stall``): report the ranks missing from a synchronization after
-            ``stall_timeout`` seconds (default ``HSGD_STALL_TIMEOUT`` or 60; 0: off, the abort
-            included), abort the job after a wait of ``stall_abort_after`` seconds (default
-            ``HSGD_STALL_ABORT_AFTER`` or 600; 0: never), or after the first report with
-            ``stall_abort`` (default ``HSGD_STALL_ABORT``).
-        stall: instead of those three, a :class:`~hsgd.faults.stall.StallInspector` built over
-            the same ranks (``topology.comm``) by the caller, who also waits under it (the
-            trainer, whose own collectives it watches) and closes it after the mode.
+        stall: the stall inspector (``hsgd.faults.stall``), which reports the ranks missing
+            from a synchronization that waits too long and ends a job that waits for good:
+            ``None`` (the mode's own, set by ``HSGD_STALL_TIMEOUT``, ``HSGD_STALL_ABORT`` and
+            ``HSGD_STALL_ABORT_AFTER``), a :class:`~hsgd.faults.stall.StallSettings` (the
+            mode's own, e.g. ``StallSettings(timeout=30)``), or a
+            :class:`~hsgd.faults.stall.StallInspector` built over the same ranks
+            (``topology.comm``) by the caller, who also waits under it (the trainer, whose own
+            collectives it watches) and closes it after the mode.
 
     Attributes:
         engine: the family's :class:`~hsgd._engine.engine.Engine` (its ``binding``, ``traffic``
@@ -144,21 +141,21 @@ class SyncMode(InnerOptimizer, Closable):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
                  named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
-                 broadcast: bool = True, settings: Dict[str, object], stall_timeout: Optional[float] = None,
-                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
-                 stall: Optional[StallInspector] = None) -> None:
+                 broadcast: bool = True, settings: Dict[str, object], stall: Stall = None) -> None:
         self._init_optimizer_hooks()
         self._own_topology = topology is None
         self.topology = Topology.from_comm() if topology is None else topology
         self._shares = BatchShares(self.topology)
-        self._own_stall = stall is None
+        self._own_stall = not isinstance(stall, StallInspector)
         try:
-            check_all(self.topology.comm, _check_stall, stall, self.topology.comm,
-                      (stall_timeout, stall_abort, stall_abort_after))
+            check_all(self.topology.comm, _check_stall, stall, self.topology.comm)
             self._setup(optimizer, (model, named_parameters), broadcast, settings)
             try:
-                self.stall = StallInspector(self.topology.comm, stall_timeout, stall_abort, stall_abort_after) \
-                    if stall is None else stall
+                if isinstance(stall, StallInspector):
+                    self.stall = stall
+                else:
+                    own = stall or StallSettings()
+                    self.stall = StallInspector(self.topology.comm, own.timeout, own.abort, own.abort_after)
             except BaseException:
                 self.engine.close()
                 raise

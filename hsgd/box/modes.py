@@ -47,7 +47,7 @@ from .._engine.engine import Engine
 from .._engine.mode import SyncMode, collective
 from .._engine.named import NamedParameterPairs
 from ..errors import InputValueError
-from ..faults.stall import StallInspector
+from ..faults.stall import Stall
 from ..remote.memory import RemoteMemory
 from ..topology import Topology
 
@@ -188,16 +188,12 @@ class ElasticSGD(BoxMode):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
                  named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
-                 alpha: float = 0.2, tau: int = 1, broadcast: bool = True, stall_timeout: Optional[float] = None,
-                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
-                 stall: Optional[StallInspector] = None) -> None:
+                 alpha: float = 0.2, tau: int = 1, broadcast: bool = True, stall: Stall = None) -> None:
         self.alpha, self.tau = alpha, tau
         self._delta: Optional[torch.Tensor] = None
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          broadcast=broadcast,
-                         settings={"alpha": alpha, "tau": tau}, stall_timeout=stall_timeout,
-                         stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after, stall=stall)
+                         settings={"alpha": alpha, "tau": tau}, stall=stall)
 
     def _check(self, alpha: Any, tau: Any) -> None:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
@@ -237,14 +233,11 @@ class AsyncSGD(BoxMode):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
                  named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
-                 broadcast: bool = True, stall_timeout: Optional[float] = None,
-                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
-                 stall: Optional[StallInspector] = None) -> None:
+                 broadcast: bool = True, stall: Stall = None) -> None:
         self._change: Optional[torch.Tensor] = None
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          broadcast=broadcast, settings={},
-                         stall_timeout=stall_timeout, stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after, stall=stall)
+                         stall=stall)
 
     def _step(self) -> None:
         self._binding.gather()

@@ -60,7 +60,7 @@ from .._engine.binding import FlatSlot
 from .._engine.mode import SyncMode, collective
 from .._engine.named import NamedParameterPairs
 from ..errors import InputValueError
-from ..faults.stall import StallInspector
+from ..faults.stall import Stall
 from ..topology import Topology
 from .graphs import GRAPHS, Graph
 from .transport import GossipEngine
@@ -107,15 +107,12 @@ class GossipSGD(SyncMode):
     def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
                  named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
                  graph: GraphName = "exponential", theta: float = DEFAULT_THETA, seed: int = 0,
-                 broadcast: bool = True, stall_timeout: Optional[float] = None,
-                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
-                 stall: Optional[StallInspector] = None) -> None:
+                 broadcast: bool = True, stall: Stall = None) -> None:
         self.graph_name, self.theta, self.seed = graph, theta, seed
         super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
                          broadcast=broadcast,
                          settings={"graph": graph, "theta": theta, "seed": seed},
-                         stall_timeout=stall_timeout, stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after, stall=stall)
+                         stall=stall)
 
     def _check(self, graph: Any, theta: Any, seed: Any) -> None:
         check_choice("graph", graph, GRAPHS)

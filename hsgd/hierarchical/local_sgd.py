@@ -49,7 +49,7 @@ from .._core.checks import check_int
 from .._engine.named import NamedParameterPairs
 from ..compression import Compression
 from ..errors import InputTypeError, InputValueError
-from ..faults.stall import StallInspector
+from ..faults.stall import Stall
 from ..inter_node import InterNode
 from ..topology import Topology
 from .engine import HierarchicalEngine, HierarchicalMode
@@ -89,9 +89,7 @@ class HierarchicalLocalSGD(HierarchicalMode):
                  inter_node: InterNode = "leader", compression: Optional[Compression] = None,
                  intra_period: int = 1, inter_period: int = 1, outer_optimizer: Optional[OuterFactory] = None,
                  fragments: int = 1, fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
-                 broadcast: bool = True, stall_timeout: Optional[float] = None,
-                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
-                 stall: Optional[StallInspector] = None) -> None:
+                 broadcast: bool = True, stall: Stall = None) -> None:
         self.intra_period, self.inter_period = intra_period, inter_period
         self.outer_optimizer, self.fragments = outer_optimizer, fragments
         self.fragment_sync_delay, self.fragment_update_alpha = fragment_sync_delay, fragment_update_alpha
@@ -103,8 +101,7 @@ class HierarchicalLocalSGD(HierarchicalMode):
                                    "outer_optimizer": outer, "fragments": fragments,
                                    "fragment_sync_delay": fragment_sync_delay,
                                    "fragment_update_alpha": fragment_update_alpha},
-                         stall_timeout=stall_timeout, stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after, stall=stall)
+                         stall=stall)
 
     def _check_own(self, intra_period: Any, inter_period: Any, outer_optimizer: Any, fragments: Any,
                    fragment_sync_delay: Any, fragment_update_alpha: Any) -> None:

@@ -64,7 +64,7 @@ from .._engine.named import NamedParameterPairs
 from .._engine.overlap import BackwardOverlap
 from ..compression import Compression
 from ..errors import InputTypeError, InputValueError
-from ..faults.stall import StallInspector
+from ..faults.stall import Stall
 from ..inter_node import InterNode
 from ..topology import Topology
 from .engine import HierarchicalEngine, HierarchicalMode
@@ -103,9 +103,7 @@ class HierarchicalSGD(HierarchicalMode):
                  named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
                  inter_node: InterNode = "leader", compression: Optional[Compression] = None,
                  backward_passes_per_step: int = 1, overlap: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_MB,
-                 broadcast: bool = True, stall_timeout: Optional[float] = None,
-                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
-                 stall: Optional[StallInspector] = None) -> None:
+                 broadcast: bool = True, stall: Stall = None) -> None:
         self.backward_passes_per_step = backward_passes_per_step
         self.overlap, self.bucket_cap_mb = overlap, bucket_cap_mb
         self._synchronized = False
@@ -114,8 +112,7 @@ class HierarchicalSGD(HierarchicalMode):
                          inter_node=inter_node, compression=compression, broadcast=broadcast,
                          settings={"backward_passes_per_step": backward_passes_per_step, "overlap": overlap,
                                    "bucket_cap_mb": bucket_cap_mb},
-                         stall_timeout=stall_timeout, stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after, stall=stall)
+                         stall=stall)
 
     def _check_own(self, backward_passes_per_step: Any, overlap: Any, bucket_cap_mb: Any) -> None:
         check_int("backward_passes_per_step", backward_passes_per_step)
