@@ -6,7 +6,7 @@ base class is thin: it checks and agrees, wraps, and owns the life cycle;
 the machinery is the family's *engine* (:mod:`hsgd._engine.engine`).
 
 - construction, collective: the optimizer and model, and the mode's own
-  settings (:meth:`SyncMode._check`), are checked on every rank and agreed
+  settings (its :attr:`SyncMode.Settings`), are checked on every rank and agreed
   on, so a bad value raises the same :class:`~hsgd.errors.InputError`
   everywhere; the ranks' settings and models must match; parameters and
   buffers are broadcast from rank 0; then :meth:`SyncMode._make_engine`
@@ -26,14 +26,19 @@ evaluation and checkpoints must average them), ``lockstep`` (``step()`` is
 collective, so a caller may add collectives between steps), ``balances`` (its
 averages weight ranks by :attr:`SyncMode.batch_shares`) and ``finite_guard``
 (:meth:`SyncMode.gradients_finite` tells, the same on every rank, whether the
-averaged gradients are finite), and implements ``_check``, ``_make_engine``
-and ``_step``. Nothing outside a mode branches on its name.
+averaged gradients are finite), declares its settings once as a frozen
+dataclass ``Settings`` (:mod:`hsgd._core.settings`: each field's default,
+help, check and trainer flag; the keyword arguments and the trainer's flags
+come from it), and implements ``_make_engine`` and ``_step``. Nothing outside
+a mode branches on its name.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -41,6 +46,7 @@ import torch
 from .._core.agree import check_all, collective_error
 from .._core.closable import Closable
 from .._core.forward import forwarded
+from .._core.settings import Settings as ModeSettings
 from ..errors import InputTypeError, InputValueError
 from ..faults import protect
 from ..faults.stall import Stall, StallInspector, StallSettings
@@ -114,8 +120,10 @@ class SyncMode(InnerOptimizer, Closable):
         topology: a :class:`~hsgd.Topology`; default ``Topology.from_comm()`` over the
             world (closed by :meth:`close` when built here).
         broadcast: copy parameters and buffers from rank 0 at construction.
-        settings: the subclass's own arguments, checked by ``_check()`` and compared
-            across ranks.
+        settings: the mode's settings as one :attr:`Settings` object, instead of its keyword
+            arguments.
+        **kwargs: the mode's settings, each a field of its :attr:`Settings` (see there);
+            checked and compared across ranks.
         stall: the stall inspector (``hsgd.faults.stall``), which reports the ranks missing
             from a synchronization that waits too long and ends a job that waits for good:
             ``None`` (the mode's own, set by ``HSGD_STALL_TIMEOUT``, ``HSGD_STALL_ABORT`` and
@@ -126,11 +134,17 @@ class SyncMode(InnerOptimizer, Closable):
             collectives it watches) and closes it after the mode.
 
     Attributes:
+        settings: the mode's :attr:`Settings`, as given.
         engine: the family's :class:`~hsgd._engine.engine.Engine` (its ``binding``, ``traffic``
             and, for the hierarchical family, ``averager`` and ``overlap``), for tools and tests.
         stall: the :class:`~hsgd.faults.stall.StallInspector` that watches this mode's waits.
     """
 
+    @dataclasses.dataclass(frozen=True)
+    class Settings(ModeSettings):
+        """The mode's settings (none here): a frozen dataclass, one field per keyword argument."""
+
+    settings: ModeSettings
     name: ClassVar[str] = ""
     replicas_differ: ClassVar[bool] = False
     lockstep: ClassVar[bool] = True
@@ -141,7 +155,8 @@ class SyncMode(InnerOptimizer, Closable):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
                  named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
-                 broadcast: bool = True, settings: Dict[str, object], stall: Stall = None) -> None:
+                 broadcast: bool = True, stall: Stall = None, settings: Optional[ModeSettings] = None,
+                 **kwargs: Any) -> None:
         self._init_optimizer_hooks()
         self._own_topology = topology is None
         self.topology = Topology.from_comm() if topology is None else topology
@@ -149,7 +164,7 @@ class SyncMode(InnerOptimizer, Closable):
         self._own_stall = not isinstance(stall, StallInspector)
         try:
             check_all(self.topology.comm, _check_stall, stall, self.topology.comm)
-            self._setup(optimizer, (model, named_parameters), broadcast, settings)
+            self._setup(optimizer, (model, named_parameters), broadcast, (settings, kwargs))
             try:
                 if isinstance(stall, StallInspector):
                     self.stall = stall
@@ -165,8 +180,26 @@ class SyncMode(InnerOptimizer, Closable):
             raise
         self._opened()
 
-    def _check(self, *args: Any, **settings: Any) -> None:
-        """Raise an :class:`~hsgd.errors.InputError` for a bad setting of this mode."""
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A mode that declares its own ``Settings`` gets its fields as keyword arguments in
+        its signature (``help()``, the API reference) and listed in the settings' docstring."""
+        super().__init_subclass__(**kwargs)
+        own = cls.Settings
+        if "Settings" in cls.__dict__ and dataclasses.fields(own) and "Fields:" not in (own.__doc__ or ""):
+            own.__doc__ = f"{inspect.cleandoc(own.__doc__ or '')}\n\nFields:\n\n{own.describe()}\n"
+        if "__init__" in cls.__dict__:
+            return
+
+        def __init__(self: SyncMode, *args: Any, **kw: Any) -> None:  # no defaults of its own: Sphinx
+            SyncMode.__init__(self, *args, **kw)                       # takes them from __signature__
+
+        base = inspect.signature(SyncMode.__init__)
+        fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                  for f in dataclasses.fields(own)]
+        params = [p for p in base.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        __init__.__signature__ = base.replace(parameters=params + fields)  # type: ignore[attr-defined]
+        __init__.__qualname__, __init__.__module__ = f"{cls.__qualname__}.__init__", cls.__module__
+        cls.__init__ = __init__  # type: ignore[method-assign]
 
     def _make_engine(self, params: List[torch.nn.Parameter]) -> Engine:
         """Build the family's engine over ``params`` (collective)."""
@@ -177,16 +210,17 @@ class SyncMode(InnerOptimizer, Closable):
 
     def _setup(self, optimizer: torch.optim.Optimizer,
                given: Tuple[Optional[torch.nn.Module], Optional[NamedParameterPairs]],
-               broadcast: bool, settings: Dict[str, object]) -> None:
+               broadcast: bool, settings: Tuple[Optional[ModeSettings], Dict[str, Any]]) -> None:
         comm = self.topology.comm
         protect(comm)  # from here on: abort, not hang; no files left
         model = model_of(optimizer, *given, comm)  # (model, named_parameters): a module
 
         def check():
             _check_common(optimizer, model)
-            self._check(**settings)
+            self.settings = self._settings(*settings)
+            self.settings.validate()
         check_all(comm, check)
-        mine = sorted((key, repr(value)) for key, value in settings.items())
+        mine = sorted(self.settings.agreed())
         if len(set(map(repr, comm.allgather(mine)))) > 1:
             raise collective_error(InputValueError, f"ranks were given different {type(self).__name__} "
                                    "settings; pass the same on every rank")
@@ -199,6 +233,18 @@ class SyncMode(InnerOptimizer, Closable):
         self.optimizer, self.model, self._params = optimizer, model, params
         self.num_steps = 0
         self.engine = self._make_engine(params)
+
+    def _settings(self, given: Optional[ModeSettings], kwargs: Dict[str, Any]) -> ModeSettings:
+        """The mode's settings from ``settings=`` or from its keyword arguments (local)."""
+        name = type(self).__name__
+        if given is None:
+            return self.Settings.build(kwargs, name)
+        if kwargs:
+            raise InputTypeError(f"pass {name}'s settings either as settings= or as keyword arguments "
+                                 f"({', '.join(kwargs)}), not both")
+        if type(given) is not self.Settings:
+            raise InputTypeError(f"settings must be a {name}.Settings, got {type(given).__qualname__}")
+        return given
 
     @property
     def _binding(self) -> SlotBinding:
