@@ -101,7 +101,7 @@ class GossipSGD(SyncMode):
                                    Choice(tuple(GRAPHS)), flag="gossip_graph")
         theta: float = setting(DEFAULT_THETA, "gossip sends a model only when it moved more than THETA times the "
                                               "norm of the one it last sent; 0: every step, inf: never",
-                               Real(0, hint="(0: send every round, math.inf: never)"), flag="gossip_theta")
+                               Real(0, hint="(0: send every round, inf: never)"), flag="gossip_theta")
         seed: int = setting(0, "the shared seed of the random graph", Integer(0), flag="seed", shared=True)
 
     settings: Settings
