@@ -39,7 +39,7 @@ import collections
 import functools
 import logging
 import warnings
-from typing import TYPE_CHECKING, Callable, List, Literal, Optional
+from typing import TYPE_CHECKING, Callable, List, Literal, Optional, Tuple, get_args
 
 import torch
 
@@ -56,9 +56,9 @@ __all__ = ["LeaderAllreduce", "ShardedAllreduce", "Pending", "make_inter_node", 
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES = ("leader", "sharded")
 #: The inter-node strategies, as a type: what ``inter_node`` takes.
 InterNode = Literal["leader", "sharded"]
+STRATEGIES: Tuple[str, ...] = get_args(InterNode)  # the same names, for checks and --inter-node's choices
 CHUNK_BYTES = 4 << 20  # the largest single inter-node allreduce
 
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Literal, Sequence, Tuple
+from typing import Any, Dict, List, Literal, Sequence, Tuple, get_args
 
 import torch
 from mpi4py import MPI
@@ -70,6 +70,7 @@ __all__ = ["GossipSGD", "DEFAULT_THETA", "push_sum"]
 DEFAULT_THETA = 0.1
 #: The peer graphs, as a type: what ``graph`` takes (the keys of :data:`hsgd.gossip.graphs.GRAPHS`).
 GraphName = Literal["random", "ring", "exponential"]
+assert get_args(GraphName) == tuple(GRAPHS), "GraphName names hsgd.gossip.graphs.GRAPHS, in its order"
 
 
 def push_sum(x: torch.Tensor, weight: float, received: List[Tuple[torch.Tensor, float]]) -> float:
@@ -98,7 +99,7 @@ class GossipSGD(SyncMode):
 
         graph: GraphName = setting("exponential", "peers of each gossip round: exponential (directed, push-sum) | "
                                                   "ring | random (matchings); see hsgd.gossip.graphs",
-                                   Choice(tuple(GRAPHS)), flag="gossip_graph")
+                                   Choice(get_args(GraphName)), flag="gossip_graph")
         theta: float = setting(DEFAULT_THETA, "gossip sends a model only when it moved more than THETA times the "
                                               "norm of the one it last sent; 0: every step, inf: never",
                                Real(0, hint="(0: send every round, inf: never)"), flag="gossip_theta")
