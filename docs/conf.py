@@ -67,7 +67,7 @@ nitpick_ignore_regex = [
     # type aliases in signatures, shown by name: torch's parameter iterable, numbers, and hsgd's own
     # Literal and container aliases (their values are in the docstrings that use them)
     (r"py:class", r"ParamsT|Number|ReduceOp|NamedTensors|NamedParameterPairs|PhaseCallback|OuterFactory"
-                  r"|InterNode|Compression|GraphName"),
+                  r"|InterNode|Compression|GraphName|Stall|ModeSettings"),
     (r"py:.*", r"hsgd\._.*"),
     (r"py:.*", r"hsgd(\.[a-z]\w*)*\._\w+(\..*)?"),
 ]

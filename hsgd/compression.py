@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional, Tuple, get_args
 
 import torch
 
@@ -30,9 +30,9 @@ from ._core.traffic import allreduce_bytes
 
 __all__ = ["COMPRESSIONS", "HalfCodec", "make_codec"]
 
-COMPRESSIONS = ("none", "fp16", "bf16")
 #: The compressions, as a type: what ``compression`` takes (``None`` is ``"none"``).
 Compression = Literal["none", "fp16", "bf16"]
+COMPRESSIONS: Tuple[str, ...] = get_args(Compression)  # the same names, for checks and --compression's choices
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 

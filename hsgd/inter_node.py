@@ -20,7 +20,7 @@ import collections
 import functools
 import logging
 import warnings
-from typing import TYPE_CHECKING, Callable, List, Literal, Optional
+from typing import TYPE_CHECKING, Callable, List, Literal, Optional, Tuple, get_args
 
 import torch
 
@@ -37,9 +37,9 @@ __all__ = ["LeaderAllreduce", "ShardedAllreduce", "Pending", "make_inter_node", 
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES = ("leader", "sharded")
 #: The inter-node strategies, as a type: what ``inter_node`` takes.
 InterNode = Literal["leader", "sharded"]
+STRATEGIES: Tuple[str, ...] = get_args(InterNode)  # the same names, for checks and --inter-node's choices
 # The largest single inter-node sum. Across two hosts at 1 Gbit/s with two ranks each, one 8 MB
 # MPI_Allreduce between the leaders ran well below the wire rate where two of 4 MB reached it
 # (docs/benchmarks.md, training steps across emulated hosts).

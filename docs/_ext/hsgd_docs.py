@@ -1,9 +1,10 @@
 """Sphinx pieces that keep the site in step with the code.
 
 - ``hsgd-trainer-options``: the trainer's reference, one table per section of
-  :class:`hsgd._trainer.config.TrainConfig`, built from the very parser that
-  prints ``python -m hsgd.train --help`` (flag, default, choices, help text),
-  so the page cannot drift from ``--help``.
+  :class:`hsgd._trainer.config.TrainConfig` (and one of the modes' settings,
+  the flags it derives from them), built from the very parser that prints
+  ``python -m hsgd.train --help`` (flag, default, choices, help text), so the
+  page cannot drift from ``--help``.
 - ``hsgd-api``: the API reference, one autodoc entry per name in
   ``hsgd.__all__``, grouped by the module that defines it. A name whose module
   has no group here is a warning (so a new export is never left off), and so
@@ -48,11 +49,17 @@ def _is_public(name: str) -> bool:
     return not name.split(".")[-1].startswith("_")
 
 
-def trainer_sections() -> List[Tuple[str, List[str]]]:
-    """TrainConfig's fields in the sections its source marks with ``# --- name ---`` comments."""
-    from hsgd._trainer.config import TrainConfig
+MODES_SECTION = "synchronization modes' settings"  # after "synchronization"
 
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+
+def trainer_sections() -> List[Tuple[str, List[str]]]:
+    """TrainConfig's own fields in the sections its source marks with ``# --- name ---`` comments,
+    and the modes' (:data:`hsgd._trainer.modes.ModeFlags`) in a section of their own."""
+    from hsgd._trainer.config import TrainConfig
+    from hsgd._trainer.modes import ModeFlags
+
+    modes = [f.name for f in dataclasses.fields(ModeFlags)]
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - set(modes)
     sections: List[Tuple[str, List[str]]] = []
     for line in inspect.getsource(TrainConfig).splitlines():
         heading = _SECTION_COMMENT.match(line)
@@ -68,6 +75,8 @@ def trainer_sections() -> List[Tuple[str, List[str]]]:
     missing = names - set(listed)
     if missing:  # a field the source scan did not see: better an error than a page without it
         raise RuntimeError(f"TrainConfig fields not found in its source: {sorted(missing)}")
+    after = next((i + 1 for i, (title, _) in enumerate(sections) if title == "synchronization"), len(sections))
+    sections.insert(after, (MODES_SECTION, modes))
     return sections
 
 

@@ -7,8 +7,9 @@ and agrees, wraps, and owns the life cycle; the machinery is the family's *engin
 (:class:`~hsgd._engine.optimizer.InnerOptimizer`), so torch's LR schedulers,
 ``GradScaler`` and optimizer hooks take the mode itself.
 
-Invariants: construction is collective, and its checks are agreed on, so a bad value
-raises the same :class:`~hsgd.errors.InputError` on every rank; parameters and buffers
+Invariants: construction is collective, and its checks (the optimizer, the model and the
+mode's :attr:`SyncMode.Settings`) are agreed on, so a bad value raises the same
+:class:`~hsgd.errors.InputError` on every rank; parameters and buffers
 are broadcast from rank 0; under ``GradScaler.step()`` a non-finite gradient skips the
 inner step on every rank, so the scaler never leaves one rank out of a
 collective ``step()``; nothing outside a mode branches on its name.
@@ -17,7 +18,9 @@ collective ``step()``; nothing outside a mode branches on its name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -25,9 +28,10 @@ import torch
 from .._core.agree import check_all, collective_error
 from .._core.closable import Closable
 from .._core.forward import forwarded
+from .._core.settings import Settings as ModeSettings
 from ..errors import InputTypeError, InputValueError
 from ..faults import protect
-from ..faults.stall import StallInspector
+from ..faults.stall import Stall, StallInspector, StallSettings
 from ..replicas import averaged_state_dict, broadcast_optimizer_state, broadcast_parameters, check_same_model
 from ..topology import Topology
 from .binding import SlotBinding
@@ -72,14 +76,12 @@ def _check_common(optimizer, model) -> None:
                                       "parameter of the model; pass the model whose parameters it trains")
 
 
-def _check_stall(stall, comm, settings) -> None:
-    if stall is None:
+def _check_stall(stall, comm) -> None:
+    if stall is None or isinstance(stall, StallSettings):
         return
     if not isinstance(stall, StallInspector):
-        raise InputTypeError(f"stall must be a hsgd.faults.StallInspector or None, got {type(stall).__name__}")
-    if any(value is not None for value in settings):
-        raise InputValueError("pass either stall (an inspector, with its own settings) or "
-                              "stall_timeout/stall_abort/stall_abort_after, not both")
+        raise InputTypeError(f"stall must be a hsgd.faults.StallSettings, a hsgd.faults.StallInspector or None, "
+                             f"got {type(stall).__name__}")
     from mpi4py import MPI
 
     if stall.closed or MPI.Comm.Compare(stall.comm, comm) not in (MPI.IDENT, MPI.CONGRUENT):
@@ -100,25 +102,32 @@ class SyncMode(InnerOptimizer, Closable):
         topology: a :class:`~hsgd.Topology`; default ``Topology.from_comm()`` over the
             world (closed by :meth:`close` when built here).
         broadcast: copy parameters and buffers from rank 0 at construction.
-        settings: the subclass's own arguments, checked by ``_check()`` and compared
-            across ranks.
-        stall_timeout, stall_abort, stall_abort_after: the stall inspector's
-            (``hsgd.faults.stall``): report the ranks missing from a synchronization after
-            ``stall_timeout`` seconds (default ``HSGD_STALL_TIMEOUT`` or 60; 0: off, the abort
-            included), abort the job after a wait of ``stall_abort_after`` seconds (default
-            ``HSGD_STALL_ABORT_AFTER`` or 600; 0: never), or after the first report with
-            ``stall_abort`` (default ``HSGD_STALL_ABORT``).
-        stall: instead of those three, a :class:`~hsgd.faults.stall.StallInspector` built over
-            the same ranks (``topology.comm``) by the caller, who also waits under it (the
-            trainer, whose own collectives it watches) and closes it after the mode.
+        settings: the mode's settings as one :attr:`Settings` object, instead of its keyword
+            arguments.
+        **kwargs: the mode's settings, each a field of its :attr:`Settings` (see there);
+            checked and compared across ranks.
+        stall: the stall inspector (``hsgd.faults.stall``), which reports the ranks missing
+            from a synchronization that waits too long and ends a job that waits for good:
+            ``None`` (the mode's own, set by ``HSGD_STALL_TIMEOUT``, ``HSGD_STALL_ABORT`` and
+            ``HSGD_STALL_ABORT_AFTER``), a :class:`~hsgd.faults.stall.StallSettings` (the
+            mode's own, e.g. ``StallSettings(timeout=30)``), or a
+            :class:`~hsgd.faults.stall.StallInspector` built over the same ranks
+            (``topology.comm``) by the caller, who also waits under it (the trainer, whose own
+            collectives it watches) and closes it after the mode.
 
     Attributes:
+        settings: the mode's :attr:`Settings`, as given.
         engine: the family's :class:`~hsgd._engine.engine.Engine` (its ``binding``, ``traffic``
             and, for the hierarchical family, ``averager`` and ``overlap``), for tools and tests.
         stall: the :class:`~hsgd.faults.stall.StallInspector` that watches this mode's waits.
     """
 
-    # A subclass sets these and implements _check, _make_engine and _step.
+    @dataclasses.dataclass(frozen=True)
+    class Settings(ModeSettings):
+        """The mode's settings (none here): a frozen dataclass, one field per keyword argument."""
+
+    settings: ModeSettings
+    # A subclass sets these, declares its Settings and implements _make_engine and _step.
     name: ClassVar[str] = ""                # its --sync choice in the trainer
     replicas_differ: ClassVar[bool] = False  # models differ between averagings: evaluation and checkpoints average them
     lockstep: ClassVar[bool] = True         # step() is collective: a caller may add collectives between steps
@@ -129,21 +138,22 @@ class SyncMode(InnerOptimizer, Closable):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
                  named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
-                 broadcast: bool = True, settings: Dict[str, object], stall_timeout: Optional[float] = None,
-                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
-                 stall: Optional[StallInspector] = None) -> None:
+                 broadcast: bool = True, stall: Stall = None, settings: Optional[ModeSettings] = None,
+                 **kwargs: Any) -> None:
         self._init_optimizer_hooks()
         self._own_topology = topology is None
         self.topology = Topology.from_comm() if topology is None else topology
         self._shares = BatchShares(self.topology)
-        self._own_stall = stall is None
+        self._own_stall = not isinstance(stall, StallInspector)
         try:
-            check_all(self.topology.comm, _check_stall, stall, self.topology.comm,
-                      (stall_timeout, stall_abort, stall_abort_after))
-            self._setup(optimizer, (model, named_parameters), broadcast, settings)
+            check_all(self.topology.comm, _check_stall, stall, self.topology.comm)
+            self._setup(optimizer, (model, named_parameters), broadcast, (settings, kwargs))
             try:
-                self.stall = StallInspector(self.topology.comm, stall_timeout, stall_abort, stall_abort_after) \
-                    if stall is None else stall
+                if isinstance(stall, StallInspector):
+                    self.stall = stall
+                else:
+                    own = stall or StallSettings()
+                    self.stall = StallInspector(self.topology.comm, own.timeout, own.abort, own.abort_after)
             except BaseException:
                 self.engine.close()
                 raise
@@ -153,8 +163,26 @@ class SyncMode(InnerOptimizer, Closable):
             raise
         self._opened()
 
-    def _check(self, *args: Any, **settings: Any) -> None:
-        """Raise an :class:`~hsgd.errors.InputError` for a bad setting of this mode."""
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A mode that declares its own ``Settings`` gets its fields as keyword arguments in
+        its signature (``help()``, the API reference) and listed in the settings' docstring."""
+        super().__init_subclass__(**kwargs)
+        own = cls.Settings
+        if "Settings" in cls.__dict__ and dataclasses.fields(own) and "Fields:" not in (own.__doc__ or ""):
+            own.__doc__ = f"{inspect.cleandoc(own.__doc__ or '')}\n\nFields:\n\n{own.describe()}\n"
+        if "__init__" in cls.__dict__:
+            return
+
+        def __init__(self: SyncMode, *args: Any, **kw: Any) -> None:  # no defaults of its own: Sphinx
+            SyncMode.__init__(self, *args, **kw)                       # takes them from __signature__
+
+        base = inspect.signature(SyncMode.__init__)
+        fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                  for f in dataclasses.fields(own)]
+        params = [p for p in base.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        __init__.__signature__ = base.replace(parameters=params + fields)  # type: ignore[attr-defined]
+        __init__.__qualname__, __init__.__module__ = f"{cls.__qualname__}.__init__", cls.__module__
+        cls.__init__ = __init__  # type: ignore[method-assign]
 
     def _make_engine(self, params: List[torch.nn.Parameter]) -> Engine:
         """Build the family's engine over ``params`` (collective)."""
@@ -165,16 +193,17 @@ class SyncMode(InnerOptimizer, Closable):
 
     def _setup(self, optimizer: torch.optim.Optimizer,
                given: Tuple[Optional[torch.nn.Module], Optional[NamedParameterPairs]],
-               broadcast: bool, settings: Dict[str, object]) -> None:
+               broadcast: bool, settings: Tuple[Optional[ModeSettings], Dict[str, Any]]) -> None:
         comm = self.topology.comm
         protect(comm)  # from here on: abort, not hang; no files left
         model = model_of(optimizer, *given, comm)  # (model, named_parameters): a module
 
         def check():
             _check_common(optimizer, model)
-            self._check(**settings)
+            self.settings = self._settings(*settings)
+            self.settings.validate()
         check_all(comm, check)
-        mine = sorted((key, repr(value)) for key, value in settings.items())
+        mine = sorted(self.settings.agreed())
         if len(set(map(repr, comm.allgather(mine)))) > 1:
             raise collective_error(InputValueError, f"ranks were given different {type(self).__name__} "
                                    "settings; pass the same on every rank")
@@ -187,6 +216,18 @@ class SyncMode(InnerOptimizer, Closable):
         self.optimizer, self.model, self._params = optimizer, model, params
         self.num_steps = 0
         self.engine = self._make_engine(params)
+
+    def _settings(self, given: Optional[ModeSettings], kwargs: Dict[str, Any]) -> ModeSettings:
+        """The mode's settings from ``settings=`` or from its keyword arguments (local)."""
+        name = type(self).__name__
+        if given is None:
+            return self.Settings.build(kwargs, name)
+        if kwargs:
+            raise InputTypeError(f"pass {name}'s settings either as settings= or as keyword arguments "
+                                 f"({', '.join(kwargs)}), not both")
+        if type(given) is not self.Settings:
+            raise InputTypeError(f"settings must be a {name}.Settings, got {type(given).__qualname__}")
+        return given
 
     @property
     def _binding(self) -> SlotBinding:

@@ -1,7 +1,9 @@
 """The trainer's configuration: one dataclass, each field with its own help.
 
 ``python -m hsgd.train --help`` is generated from :class:`TrainConfig`, so
-every option documents itself with its default. :func:`parse_config` builds
+every option documents itself with its default. The synchronization modes'
+options are not declared here: :class:`TrainConfig` extends their dataclass,
+derived from the modes' settings (:mod:`hsgd._trainer.modes`). :func:`parse_config` builds
 the config from the command line and :meth:`TrainConfig.validate` returns the
 first problem as a message that says what to change (the trainer prints it
 once, from rank 0, and exits with status 2).
@@ -17,14 +19,10 @@ from pathlib import Path
 from typing import List, Optional, Tuple, Union, get_type_hints
 
 from .._core.agree import collective_error
-from ..compression import COMPRESSIONS
 from ..errors import InputValueError
-from ..gossip.graphs import GRAPHS
-from ..gossip.sgd import DEFAULT_THETA
-from ..inter_node import STRATEGIES
 from ..modes import SYNC_MODES
 from .models import GPTConfig, model_problem
-from .modes import MODE_CONFIGS, mode_flags
+from .modes import ModeFlags, mode_flags, mode_problem, mode_settings
 
 __all__ = ["TrainConfig", "parse_config", "default_cache_dir"]
 
@@ -42,7 +40,9 @@ def default_cache_dir() -> str:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ModeFlags):
+    """The trainer's options: its own fields below, and the modes' (:data:`ModeFlags`)."""
+
     # --- data ---
     data: Optional[str] = _opt(None, "HDF5 training file; default: MNIST-1D, generated into --cache-dir on first use")
     x_key: str = _opt("x_train", "data set of inputs in --data")
@@ -103,31 +103,6 @@ class TrainConfig:
                              "global weights in remote memory) | async (asynchronous SGD against "
                              "them) | gossip (averaging with a few peers per step, "
                              "--gossip-graph, --gossip-theta)", choices=list(SYNC_MODES))
-    intra_period: int = _opt(1, "parameter averaging inside a node every N steps (--sync local | diloco)")
-    inter_period: int = _opt(1, "... and across nodes every intra_period * N steps")
-    outer_lr: float = _opt(0.7, "DiLoCo's outer learning rate (--sync diloco)")
-    outer_momentum: float = _opt(0.9, "DiLoCo's outer momentum in [0, 1) (--sync diloco)")
-    outer_nesterov: bool = _opt(True, "Nesterov outer momentum (--sync diloco)")
-    fragments: int = _opt(1, "streaming DiLoCo: sync the model in N fragments at staggered steps "
-                             "(--sync diloco)")
-    fragment_sync_delay: int = _opt(0, "merge a fragment N steps after its sync started, its inter-node "
-                                       "sums running meanwhile (< intra_period * inter_period; --sync diloco)")
-    fragment_update_alpha: float = _opt(0.0, "a merged fragment is ALPHA * local + (1 - ALPHA) * global "
-                                             "(--sync diloco)")
-    alpha: float = _opt(0.2, "elastic moving rate in [0, 1] (--sync elastic)")
-    tau: int = _opt(1, "steps between elastic rounds (--sync elastic)")
-    gossip_graph: str = _opt("exponential", "peers of each gossip round: exponential (directed, push-sum) | "
-                                            "ring | random (matchings) (--sync gossip)", choices=list(GRAPHS))
-    gossip_theta: float = _opt(DEFAULT_THETA, "gossip sends a model only when it moved more than THETA times "
-                                              "the norm of the one it last sent; 0: every step, inf: never "
-                                              "(--sync gossip)")
-    inter_node: str = _opt("leader", "leader | sharded inter-node allreduce", choices=list(STRATEGIES))
-    compression: str = _opt("none", "none | fp16 | bf16: the inter-node sums cross nodes in 16 bits, "
-                                    "halving inter-node bytes; nothing changes inside a node "
-                                    "(--sync sync | local | diloco)", choices=list(COMPRESSIONS))
-    overlap: bool = _opt(False, "--sync sync: average the gradients in buckets while backward still runs "
-                                "(HierarchicalSGD(overlap=True)); docs/benchmarks.md says where it pays")
-    bucket_cap_mb: float = _opt(25.0, "--overlap: bucket size in MiB (the first bucket is 1 MiB at most)")
     ranks_per_node: Optional[int] = _opt(None, "virtual node size (env HSGD_RANKS_PER_NODE); default: physical nodes")
     # --- output ---
     run_dir: Optional[str] = _opt(None, "where config.json and metrics.jsonl go; default runs/<time>")
@@ -159,9 +134,8 @@ class TrainConfig:
         """The first problem with this config, as an instruction; ``None`` if fine."""
         positive = {"lr": self.lr, "epochs": self.epochs, "batch_size": self.batch_size,
                     "log_every": self.log_every, "base_batch": self.base_batch,
-                    "intra_period": self.intra_period, "inter_period": self.inter_period, "tau": self.tau,
                     "mnist1d_samples": self.mnist1d_samples, "power": self.power,
-                    "keep_checkpoints": self.keep_checkpoints, "bucket_cap_mb": self.bucket_cap_mb}
+                    "keep_checkpoints": self.keep_checkpoints}
         for name, value in positive.items():
             if not value > 0:
                 return f"--{name.replace('_', '-')} must be positive, got {value}"
@@ -170,6 +144,9 @@ class TrainConfig:
                 return f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
         if not 0 <= self.momentum < 1:
             return f"--momentum must be in [0, 1) (0.9 is usual, 0 disables it), got {self.momentum}"
+        problem = mode_problem(self)
+        if problem:
+            return problem
         straggler = self._straggler()
         if isinstance(straggler, str):
             return straggler
@@ -177,16 +154,9 @@ class TrainConfig:
             weighted = [name for name, mode in SYNC_MODES.items() if mode.balances]
             return (f"--balance needs a mode that weights ranks by batch size: --sync {' | '.join(weighted)} "
                     f"(got --sync {self.sync})")
-        if self.amp == "fp16" and self.overlap and "overlap" in mode_flags(self.sync):
+        if self.amp == "fp16" and getattr(mode_settings(self), "overlap", False):
             return ("--overlap averages the gradients during backward, before the GradScaler of --amp fp16 "
                     "can unscale them: use --amp bf16 (no GradScaler) or drop --overlap")
-        if not self.gossip_theta >= 0:
-            return f"--gossip-theta must be >= 0 (0: every step, inf: never), got {self.gossip_theta}"
-        problem = self._diloco_problem()
-        if problem:
-            return problem
-        if not 0 <= self.alpha <= 1:
-            return f"--alpha must be in [0, 1] (SEASGD uses 0.1 to 0.5), got {self.alpha}"
         if self.nesterov and self.momentum == 0 and self.optimizer in ("sgd", "lars"):
             return "--nesterov needs --momentum > 0 (e.g. --momentum 0.9); or drop --nesterov"
         if not self.trust_coefficient > 0:
@@ -210,27 +180,10 @@ class TrainConfig:
             return "--resume needs --checkpoint-dir or --run-dir to find the latest checkpoint"
         return None
 
-    def _diloco_problem(self) -> Optional[str]:
-        if not self.outer_lr > 0:
-            return f"--outer-lr must be positive (DiLoCo: 0.7), got {self.outer_lr}"
-        if not 0 <= self.outer_momentum < 1:
-            return f"--outer-momentum must be in [0, 1) (DiLoCo: 0.9), got {self.outer_momentum}"
-        if self.outer_nesterov and self.outer_momentum == 0 and self.sync == "diloco":
-            return "--outer-nesterov needs --outer-momentum > 0; or pass --no-outer-nesterov"
-        if self.fragments < 1:
-            return f"--fragments must be positive, got {self.fragments}"
-        period = self.intra_period * self.inter_period
-        if not 0 <= self.fragment_sync_delay < max(period, 1):
-            return (f"--fragment-sync-delay must be in [0, {period}) (below intra_period * inter_period: a "
-                    f"fragment merges before it syncs again), got {self.fragment_sync_delay}")
-        if not 0 <= self.fragment_update_alpha <= 1:
-            return f"--fragment-update-alpha must be in [0, 1], got {self.fragment_update_alpha}"
-        return None
-
     def ignored_flags(self) -> List[str]:
         """Flags of other synchronization modes set away from their default: --sync's mode ignores them."""
         mine = set(mode_flags(self.sync))
-        others = {name for sync in MODE_CONFIGS for name in mode_flags(sync)} - mine
+        others = {name for sync in SYNC_MODES for name in mode_flags(sync)} - mine
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         return [f"--{name.replace('_', '-')}" for name in sorted(others)
                 if getattr(self, name) != defaults[name]]
@@ -303,6 +256,7 @@ class TrainConfig:
 def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, kind) -> None:
     flag = "--" + f.name.replace("_", "-")
     meta = dict(f.metadata)
+    meta.pop("setting", None)  # a mode's flag: the settings field it sets
     help_text = meta.pop("help") + " (default: %(default)s)"
     if kind is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
@@ -331,8 +285,14 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
         description="Data-parallel training with HierarchicalSGD. Launch with "
                     "mpiexec -n N python -m hsgd.train [options] (or srun --mpi=pmi2).")
     hints = get_type_hints(TrainConfig)
+    modes = [f for f in dataclasses.fields(TrainConfig) if "setting" in f.metadata]  # ModeFlags'
     for f in dataclasses.fields(TrainConfig):
+        if "setting" in f.metadata:
+            continue  # after --sync
         _add_field(parser, f, hints[f.name])
+        if f.name == "sync":
+            for mode_field in modes:
+                _add_field(parser, mode_field, hints[mode_field.name])
     return parser
 
 

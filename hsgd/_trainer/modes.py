@@ -1,111 +1,97 @@
-"""The trainer's side of the synchronization modes: one config dataclass per mode.
+"""The trainer's side of the synchronization modes: their flags, derived from their settings.
 
-As in torchtitan, each part of a job has its own config, and the trainer's
-config composes them: :class:`~hsgd._trainer.config.TrainConfig` keeps the
-flat command line (``--inter-node``, ``--gossip-theta``, ...), and
-:func:`mode_config` cuts from it the dataclass of the ``--sync`` mode, whose
-fields are the mode's keyword arguments. Each field's ``flag`` metadata names
-the command-line field it comes from. The library's modes know nothing of the
-trainer: they take keyword arguments.
+Each mode declares its settings once, as the frozen dataclass ``Settings``
+(:mod:`hsgd._core.settings`); every field that names a flag is one trainer
+option, with the field's default, type, choices and help (plus the ``--sync``
+modes that take it) and the field's check. A setting several modes share
+(``--inter-node``, ``--compression``) is one field of their family's settings,
+so one flag; a field marked ``shared`` reads a flag of the trainer's own
+(``--seed``). :data:`ModeFlags` is the dataclass of these flags, which
+:class:`~hsgd._trainer.config.TrainConfig` extends; :func:`mode_settings`
+cuts the ``--sync`` mode's settings from the config and :func:`build_mode`
+builds the mode.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import ClassVar, Dict, List, Type
+from typing import Any, Dict, List, Optional, Type
 
+from .._core.settings import Choice, Names, Settings, fields_of, flag_of
+from ..errors import InputError
 from ..modes import SYNC_MODES, SyncMode
 
-__all__ = ["ModeConfig", "MODE_CONFIGS", "mode_config", "mode_flags"]
+__all__ = ["ModeFlags", "mode_settings", "build_mode", "mode_flags", "mode_flag_fields", "mode_problem"]
 
 
-def _from(flag: str, shared: bool = False):
-    """A field taken from ``TrainConfig.<flag>``; ``shared``: a flag of the whole trainer (``--seed``)
-    that the mode also reads, never "ignored" by another mode."""
-    return field(metadata={"flag": flag, "shared": shared})
+def _settings_class(sync: str) -> Type[Settings]:
+    return SYNC_MODES[sync].Settings
 
 
-@dataclass(frozen=True)
-class ModeConfig:
-    """The base: the mode's class and its keyword arguments."""
-
-    sync: ClassVar[str] = ""
-
-    @classmethod
-    def flags(cls) -> Dict[str, str]:
-        """Keyword argument -> the :class:`TrainConfig` field it comes from."""
-        return {f.name: f.metadata["flag"] for f in dataclasses.fields(cls)}
-
-    @classmethod
-    def from_train(cls, cfg) -> ModeConfig:
-        return cls(**{name: getattr(cfg, flag) for name, flag in cls.flags().items()})
-
-    def build(self, optimizer, model, topology, stall=None) -> SyncMode:
-        """The mode over ``optimizer`` and ``model``, on ``topology``, sharing the stall
-        inspector ``stall`` (``None``: its own). Collective."""
-        return SYNC_MODES[self.sync](optimizer, model, topology=topology, stall=stall, **dataclasses.asdict(self))
+def _taken(sync: str) -> List[dataclasses.Field]:
+    """The fields of mode ``sync``'s settings that the trainer sets from its own flags."""
+    cls = _settings_class(sync)
+    return [f for f in dataclasses.fields(cls) if flag_of(f) is not None and f.name not in cls.flags_off]
 
 
-@dataclass(frozen=True)
-class SyncConfig(ModeConfig):
-    sync: ClassVar[str] = "sync"
-    inter_node: str = _from("inter_node")
-    compression: str = _from("compression")
-    overlap: bool = _from("overlap")
-    bucket_cap_mb: float = _from("bucket_cap_mb")
+def mode_flag_fields() -> List[dataclasses.Field]:
+    """Every mode's settings fields that are flags of their own (not the trainer's, like ``--seed``),
+    each once, in the order of ``SYNC_MODES`` and of the fields."""
+    return [f for f in fields_of(_settings_class(sync) for sync in SYNC_MODES)
+            if flag_of(f) is not None and not f.metadata["shared"]]
 
 
-@dataclass(frozen=True)
-class LocalConfig(ModeConfig):
-    sync: ClassVar[str] = "local"
-    inter_node: str = _from("inter_node")
-    compression: str = _from("compression")
-    intra_period: int = _from("intra_period")
-    inter_period: int = _from("inter_period")
+def _help(f: dataclasses.Field) -> str:
+    flag = flag_of(f)
+    modes = [sync for sync in SYNC_MODES if any(flag_of(g) == flag for g in _taken(sync))]
+    return f"{f.metadata['help']} (--sync {' | '.join(modes)})"
 
 
-@dataclass(frozen=True)
-class DiLoCoConfig(LocalConfig):
-    sync: ClassVar[str] = "diloco"
-    outer_lr: float = _from("outer_lr")
-    outer_momentum: float = _from("outer_momentum")
-    outer_nesterov: bool = _from("outer_nesterov")
-    fragments: int = _from("fragments")
-    fragment_sync_delay: int = _from("fragment_sync_delay")
-    fragment_update_alpha: float = _from("fragment_update_alpha")
+def _flag_field(f: dataclasses.Field):
+    check = f.metadata["check"]
+    meta: Dict[str, Any] = {"help": _help(f), "setting": f.name}
+    if isinstance(check, Choice):
+        meta["choices"] = list(check.options)
+    return flag_of(f), type(f.default), dataclasses.field(default=f.default, metadata=meta)
 
 
-@dataclass(frozen=True)
-class ElasticConfig(ModeConfig):
-    sync: ClassVar[str] = "elastic"
-    alpha: float = _from("alpha")
-    tau: int = _from("tau")
+#: The trainer's config fields of the modes' settings (``--intra-period``, ``--gossip-theta``, ...),
+#: each derived from the one settings field that declares it.
+ModeFlags: Any = dataclasses.make_dataclass("ModeFlags", [_flag_field(f) for f in mode_flag_fields()])
 
 
-@dataclass(frozen=True)
-class AsyncConfig(ModeConfig):
-    sync: ClassVar[str] = "async"
-
-
-@dataclass(frozen=True)
-class GossipConfig(ModeConfig):
-    sync: ClassVar[str] = "gossip"
-    graph: str = _from("gossip_graph")
-    theta: float = _from("gossip_theta")
-    seed: int = _from("seed", shared=True)
-
-
-MODE_CONFIGS: Dict[str, Type[ModeConfig]] = {
-    c.sync: c for c in (SyncConfig, LocalConfig, DiLoCoConfig, ElasticConfig, AsyncConfig, GossipConfig)}
-assert set(MODE_CONFIGS) == set(SYNC_MODES), "every mode has its trainer config"
-
-
-def mode_config(cfg) -> ModeConfig:
-    """The config of ``cfg.sync``'s mode, from the trainer's config."""
-    return MODE_CONFIGS[cfg.sync].from_train(cfg)
+def _names() -> Names:
+    """Fields named as the trainer's flags."""
+    return Names({f.name: flag for sync in SYNC_MODES for f in dataclasses.fields(_settings_class(sync))
+                  if (flag := flag_of(f)) is not None})
 
 
 def mode_flags(sync: str) -> List[str]:
-    """The :class:`TrainConfig` fields that belong to mode ``sync`` (not the trainer's own, like ``seed``)."""
-    return sorted(f.metadata["flag"] for f in dataclasses.fields(MODE_CONFIGS[sync]) if not f.metadata["shared"])
+    """The config fields (flags) that mode ``sync`` takes, not the trainer's own (``seed``)."""
+    return sorted(str(flag_of(f)) for f in _taken(sync) if not f.metadata["shared"])
+
+
+def mode_settings(cfg) -> Settings:
+    """The ``--sync`` mode's settings, from the trainer's config (not checked)."""
+    return _settings_class(cfg.sync)(**{f.name: getattr(cfg, str(flag_of(f))) for f in _taken(cfg.sync)})
+
+
+def mode_problem(cfg) -> Optional[str]:
+    """The first bad mode flag, as an instruction naming it: every flag's own check whatever
+    ``--sync`` is, then the ``--sync`` mode's checks across its settings; ``None`` if fine."""
+    names = _names()
+    try:
+        for f in mode_flag_fields():
+            check = f.metadata["check"]
+            if check is not None:
+                check(names(f.name), getattr(cfg, str(flag_of(f))))
+        mode_settings(cfg).validate(names)
+    except InputError as exc:
+        return str(exc)
+    return None
+
+
+def build_mode(cfg, optimizer, model, topology, stall=None) -> SyncMode:
+    """The ``--sync`` mode over ``optimizer`` and ``model``, on ``topology``, sharing the stall
+    inspector ``stall`` (``None``: its own). Collective."""
+    return SYNC_MODES[cfg.sync](optimizer, model, topology=topology, stall=stall, settings=mode_settings(cfg))

@@ -26,7 +26,7 @@ from ..topology import Topology
 from .checkpoint import check_writable
 from .config import TrainConfig
 from .models import build_model
-from .modes import mode_config
+from .modes import build_mode
 from .precision import check_amp
 from .tasks import choose_task, data_kind
 from .training import dataset_length, make_optimizer, make_scheduler, num_classes, prepare_data, test_batch_size
@@ -126,7 +126,7 @@ def build(cfg, topo, device, stall=None):
                       cfg.gpt()).to(device)
     inner = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, inner, len(train))
-    opt = mode_config(cfg).build(inner, model, topo, stall=stall)
+    opt = build_mode(cfg, inner, model, topo, stall=stall)
     logger.info("%s; %d train / %d test samples of shape %s, %s; %s %s",
                 opt, train.num_samples, test.num_samples, tuple(train.sample_shape), task.describe(),
                 cfg.model, cfg.optimizer)

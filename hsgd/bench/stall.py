@@ -61,6 +61,7 @@ def worker(args):
     from mpi4py import MPI
 
     from hsgd import HierarchicalSGD
+    from hsgd.faults import StallSettings
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -69,7 +70,8 @@ def worker(args):
     for name, timeout in TIMEOUTS.items():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
-        opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=1e-3), model, stall_timeout=timeout)
+        opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=1e-3), model,
+                              stall=StallSettings(timeout=timeout))
         runs[name] = (model, opt)
     x = torch.randn(args.batch, width)
 

@@ -16,18 +16,17 @@ rank 0's parameters (after the usual broadcast). docs/box.md.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
-from .._core.checks import check_int
+from .._core.settings import Integer, Real, setting
 from .._core.traffic import Traffic
 from .._engine.binding import FlatSlot, SlotBinding
 from .._engine.engine import Engine
 from .._engine.mode import SyncMode, collective
-from .._engine.named import NamedParameterPairs
 from ..errors import InputValueError
-from ..faults.stall import StallInspector
 from ..remote.memory import RemoteMemory
 from ..topology import Topology
 
@@ -159,9 +158,8 @@ class ElasticSGD(BoxMode):
     """Wraps ``optimizer``: local steps, and an elastic pull towards ``W_g`` every ``tau`` steps.
 
     Args:
-        optimizer, model, topology, broadcast: see :class:`~hsgd._engine.mode.SyncMode`.
-        alpha: the elastic moving rate, in [0, 1]; 0 leaves ``W_g`` untouched.
-        tau: steps between rounds.
+        optimizer, model, topology, broadcast, stall: see :class:`~hsgd._engine.mode.SyncMode`.
+        **settings: the fields of :class:`ElasticSGD.Settings` (``alpha``, ``tau``).
 
     Every ``tau`` steps a worker reads ``W_g``, computes ``delta = alpha * (W_x - W_g)``,
     sets ``W_x -= delta`` and accumulates ``W_g += delta``. The accumulate is issued and
@@ -179,37 +177,29 @@ class ElasticSGD(BoxMode):
         >>> opt.close()
     """
 
+    @dataclass(frozen=True)
+    class Settings(BoxMode.Settings):
+        """:class:`ElasticSGD`'s settings."""
+
+        alpha: float = setting(0.2, "elastic moving rate in [0, 1] (0 leaves the global weights untouched)",
+                               Real(0, 1, hint="(SEASGD uses 0.1 to 0.5)"))
+        tau: int = setting(1, "steps between elastic rounds", Integer())
+
+    settings: Settings
     name = "elastic"
-
-    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
-                 named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
-                 alpha: float = 0.2, tau: int = 1, broadcast: bool = True, stall_timeout: Optional[float] = None,
-                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
-                 stall: Optional[StallInspector] = None) -> None:
-        self.alpha, self.tau = alpha, tau
-        self._delta: Optional[torch.Tensor] = None
-        super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
-                         broadcast=broadcast,
-                         settings={"alpha": alpha, "tau": tau}, stall_timeout=stall_timeout,
-                         stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after, stall=stall)
-
-    def _check(self, alpha: Any, tau: Any) -> None:
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
-            raise InputValueError(f"Invalid alpha: {alpha!r}; use a number in [0, 1] (SEASGD uses 0.1 to 0.5)")
-        check_int("tau", tau)
+    _delta: Optional[torch.Tensor] = None
 
     def _step(self) -> None:
         self._unscale_local()
         self._optimizer_step()
-        if (self.num_steps + 1) % self.tau:
+        if (self.num_steps + 1) % self.settings.tau:
             return
         start = time.perf_counter()
         self._binding.gather()  # staged (non-CPU) parameters into W_x
         self._finish_round()  # the last round's delta is in W_g: its buffer is free again
         if self._delta is None:
             self._delta = torch.empty_like(self.local)
-        delta = self.box.read(0, self._delta).sub_(self.local).mul_(-self.alpha)  # alpha * (W_x - W_g)
+        delta = self.box.read(0, self._delta).sub_(self.local).mul_(-self.settings.alpha)  # alpha * (W_x - W_g)
         self.local.sub_(delta)
         self.box.accumulate_start(0, delta)  # delta stays untouched until the next round completes it
         self._binding.scatter()
@@ -225,25 +215,21 @@ class AsyncSGD(BoxMode):
     """Wraps ``optimizer``: each step's change goes into ``W_g``; the next step starts from ``W_g``.
 
     Args:
-        optimizer, model, topology, broadcast: see :class:`~hsgd._engine.mode.SyncMode`.
+        optimizer, model, topology, broadcast, stall: see :class:`~hsgd._engine.mode.SyncMode`;
+            it has no settings of its own.
 
     Every step the inner optimizer updates ``W_x``; the change is accumulated into ``W_g``,
     and the worker continues from a fresh read of ``W_g``. Any torch optimizer works; its
     state (momentum, Adam moments) stays local.
     """
 
-    name = "async"
+    @dataclass(frozen=True)
+    class Settings(BoxMode.Settings):
+        """:class:`AsyncSGD`'s settings: none."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
-                 named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
-                 broadcast: bool = True, stall_timeout: Optional[float] = None,
-                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
-                 stall: Optional[StallInspector] = None) -> None:
-        self._change: Optional[torch.Tensor] = None
-        super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
-                         broadcast=broadcast, settings={},
-                         stall_timeout=stall_timeout, stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after, stall=stall)
+    settings: Settings
+    name = "async"
+    _change: Optional[torch.Tensor] = None
 
     def _step(self) -> None:
         self._binding.gather()

@@ -17,9 +17,10 @@ them off.
 
 from .._core.leftovers import unlink_mpi_files
 from .abort import abort_job, abort_on_exception, install_abort_hook
-from .stall import StallInspector
+from .stall import StallInspector, StallSettings
 
-__all__ = ["protect", "abort_job", "abort_on_exception", "install_abort_hook", "unlink_mpi_files", "StallInspector"]
+__all__ = ["protect", "abort_job", "abort_on_exception", "install_abort_hook", "unlink_mpi_files", "StallInspector",
+           "StallSettings"]
 
 
 def protect(comm) -> None:

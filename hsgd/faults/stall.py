@@ -23,7 +23,8 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
 
     from ..remote.memory import RemoteMemory
 
-__all__ = ["StallInspector", "WatchedComm", "DEFAULT_TIMEOUT_S", "DEFAULT_ABORT_AFTER_S", "TIMEOUT_ENV", "ABORT_ENV",
-           "ABORT_AFTER_ENV", "EXIT_GRACE_S"]
+__all__ = ["StallInspector", "StallSettings", "Stall", "WatchedComm", "DEFAULT_TIMEOUT_S", "DEFAULT_ABORT_AFTER_S",
+           "TIMEOUT_ENV", "ABORT_ENV", "ABORT_AFTER_ENV", "EXIT_GRACE_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_ABORT_AFTER_S = 600.0
@@ -70,6 +71,29 @@ def _valid(seconds) -> bool:
     return isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds < float("inf")
 
 
+@dataclass(frozen=True)
+class StallSettings:
+    """What a mode's own stall inspector is built with (a mode's ``stall=`` argument); ``None``
+    takes the environment's value. The ranks must agree on all three.
+
+    Args:
+        timeout: seconds of waiting before a report (``None``: ``HSGD_STALL_TIMEOUT`` or 60;
+            0 disables the inspector, the abort included).
+        abort: abort the job after the first report (``None``: ``HSGD_STALL_ABORT``).
+        abort_after: abort the job after a wait this long (``None``: ``HSGD_STALL_ABORT_AFTER``
+            or 600; 0: never).
+    """
+
+    timeout: Optional[float] = None
+    abort: Optional[bool] = None
+    abort_after: Optional[float] = None
+
+
+#: A mode's ``stall=`` argument: ``None`` (its own inspector, settings from the environment),
+#: :class:`StallSettings` (its own, with these settings) or a caller's open :class:`StallInspector`.
+Stall = Union[None, StallSettings, "StallInspector"]
+
+
 class StallInspector:
     """The stall inspector of one synchronization mode (collective to build and to close).
 
@@ -99,7 +123,7 @@ class StallInspector:
         every = comm.allgather((timeout, abort, abort_after))
         if any(not (_valid(t) and _valid(a)) for t, _, a in every):
             raise collective_error(InputValueError, f"Invalid stall timeout {timeout!r} or abort-after "
-                                   f"{abort_after!r} (arguments stall_timeout, stall_abort_after or "
+                                   f"{abort_after!r} (StallSettings timeout, abort_after or "
                                    f"{TIMEOUT_ENV}, {ABORT_AFTER_ENV}); use seconds >= 0 (0 disables)")
         if len(set(map(repr, every))) > 1:
             raise collective_error(InputValueError, "ranks were given different stall settings "

@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Literal, Sequence, Tuple, get_args
 
 import torch
 from mpi4py import MPI
 
-from .._core.checks import check_choice, check_int
+from .._core.settings import Choice, Integer, Real, setting
 from .._engine.binding import FlatSlot
 from .._engine.mode import SyncMode, collective
-from .._engine.named import NamedParameterPairs
-from ..errors import InputValueError
-from ..faults.stall import StallInspector
-from ..topology import Topology
 from .graphs import GRAPHS, Graph
 from .transport import GossipEngine
 
@@ -42,6 +39,7 @@ __all__ = ["GossipSGD", "DEFAULT_THETA", "push_sum"]
 DEFAULT_THETA = 0.1
 #: The peer graphs, as a type: what ``graph`` takes (the keys of :data:`hsgd.gossip.graphs.GRAPHS`).
 GraphName = Literal["random", "ring", "exponential"]
+assert get_args(GraphName) == tuple(GRAPHS), "GraphName names hsgd.gossip.graphs.GRAPHS, in its order"
 
 
 def push_sum(x: torch.Tensor, weight: float, received: List[Tuple[torch.Tensor, float]]) -> float:
@@ -66,12 +64,8 @@ class GossipSGD(SyncMode):
     """Wraps ``optimizer``: a local step, then one gossip round with this round's peers.
 
     Args:
-        optimizer, model, topology, broadcast: see :class:`~hsgd._engine.mode.SyncMode`.
-        graph: ``"exponential"`` (directed, push-sum), ``"ring"`` or ``"random"``
-            (symmetric matchings); see ``hsgd.gossip.graphs``.
-        theta: send only when the model moved more than ``theta`` times the
-            norm of what was last sent; 0 sends every round, ``math.inf`` never.
-        seed: the shared seed of the ``"random"`` graph.
+        optimizer, model, topology, broadcast, stall: see :class:`~hsgd._engine.mode.SyncMode`.
+        **settings: the fields of :class:`GossipSGD.Settings` (``graph``, ``theta``, ``seed``).
 
     A rank sends its model only when ``||x - x_sent|| > theta * ||x_sent||``, ``x_sent``
     being what it last sent; ``theta = inf`` sends no messages at all. A silent sender
@@ -90,33 +84,26 @@ class GossipSGD(SyncMode):
         >>> opt.close()
     """
 
+    @dataclass(frozen=True)
+    class Settings(SyncMode.Settings):
+        """:class:`GossipSGD`'s settings."""
+
+        graph: GraphName = setting("exponential", "peers of each gossip round: exponential (directed, push-sum) | "
+                                                  "ring | random (matchings); see hsgd.gossip.graphs",
+                                   Choice(get_args(GraphName)), flag="gossip_graph")
+        theta: float = setting(DEFAULT_THETA, "gossip sends a model only when it moved more than THETA times the "
+                                              "norm of the one it last sent; 0: every step, inf: never",
+                               Real(0, hint="(0: send every round, inf: never)"), flag="gossip_theta")
+        seed: int = setting(0, "the shared seed of the random graph", Integer(0), flag="seed", shared=True)
+
+    settings: Settings
     name = "gossip"
     replicas_differ = True
     lockstep = False  # peers wait for peers, nobody for everybody
     engine: GossipEngine
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
-                 named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
-                 graph: GraphName = "exponential", theta: float = DEFAULT_THETA, seed: int = 0,
-                 broadcast: bool = True, stall_timeout: Optional[float] = None,
-                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
-                 stall: Optional[StallInspector] = None) -> None:
-        self.graph_name, self.theta, self.seed = graph, theta, seed
-        super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
-                         broadcast=broadcast,
-                         settings={"graph": graph, "theta": theta, "seed": seed},
-                         stall_timeout=stall_timeout, stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after, stall=stall)
-
-    def _check(self, graph: Any, theta: Any, seed: Any) -> None:
-        check_choice("graph", graph, GRAPHS)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta >= 0:
-            raise InputValueError(f"Invalid theta: {theta!r}; use a number >= 0 (0: send every round, "
-                                  "math.inf: never)")
-        check_int("seed", seed, minimum=0)
-
     def _make_engine(self, params: List[torch.nn.Parameter]) -> GossipEngine:
-        engine = GossipEngine(self.topology, params, self.graph_name, self.seed)
+        engine = GossipEngine(self.topology, params, self.settings.graph, self.settings.seed)
         self.sent = engine.local.clone()  # x_sent
         self.weight = 1.0
         self.sends = 0  # rounds in which this rank sent its model
@@ -126,7 +113,7 @@ class GossipSGD(SyncMode):
     def _step(self) -> None:
         self._unscale_local()
         self._optimizer_step()
-        if math.isinf(self.theta):
+        if math.isinf(self.settings.theta):
             return  # nobody ever sends: no round at all
         outs, ins = self.graph.peers(self.num_steps, self.topology.rank)
         if not outs and not ins:
@@ -155,10 +142,11 @@ class GossipSGD(SyncMode):
 
     def triggered(self) -> bool:
         """Whether this rank's model moved enough since its last send to send it now."""
-        if self.theta == 0:
+        theta = self.settings.theta
+        if theta == 0:
             return True
         moved = torch.dist(self.local, self.sent).item()
-        return moved > self.theta * torch.linalg.vector_norm(self.sent).item()
+        return moved > theta * torch.linalg.vector_norm(self.sent).item()
 
     def _round(self, outs: Sequence[int], ins: Sequence[int]) -> None:
         send = bool(outs) and self.triggered()
@@ -211,5 +199,5 @@ class GossipSGD(SyncMode):
             self.sent.copy_(gossip["sent"])
 
     def __repr__(self) -> str:
-        return (f"GossipSGD({type(self.optimizer).__name__}, graph={self.graph_name!r}, "
-                f"theta={self.theta}, {self.topology})")
+        return (f"GossipSGD({type(self.optimizer).__name__}, graph={self.settings.graph!r}, "
+                f"theta={self.settings.theta}, {self.topology})")

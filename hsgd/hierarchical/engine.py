@@ -11,18 +11,19 @@ backward (:class:`~hsgd._engine.overlap.BackwardOverlap`) or, for
 
 :class:`HierarchicalMode` is what :class:`~hsgd.HierarchicalSGD` and
 :class:`~hsgd.HierarchicalLocalSGD` share: the inter-node strategy and the
-compression of its sums, checked with the mode's own settings.
+compression of its sums, settings of every hierarchical mode.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, List, Optional
 
 import torch
 
 from .._core.agree import collective_error
-from .._core.checks import check_choice
 from .._core.forward import forwarded
+from .._core.settings import Choice, setting
 from .._core.traffic import Traffic
 from .._engine.binding import SlotBinding
 from .._engine.engine import Engine
@@ -119,36 +120,28 @@ class HierarchicalEngine(Engine):
 
 
 class HierarchicalMode(SyncMode):
-    """The base of the hierarchical modes: ``inter_node`` and ``compression`` besides the
-    mode's own settings (see :class:`~hsgd._engine.mode.SyncMode` for the others).
+    """The base of the hierarchical modes: ``inter_node`` and ``compression`` (its
+    :attr:`Settings`, which each hierarchical mode's extend) besides the mode's own settings
+    (see :class:`~hsgd._engine.mode.SyncMode` for the other arguments)."""
 
-    Args:
-        inter_node: ``"leader"`` or ``"sharded"`` (see :mod:`hsgd.inter_node`).
-        compression: ``None``, ``"fp16"`` or ``"bf16"``: the inter-node sums in 16 bits
-            (:mod:`hsgd.compression`).
-    """
+    @dataclass(frozen=True)
+    class Settings(SyncMode.Settings):
+        """The settings every hierarchical mode has: how the inter-node sums run."""
 
+        inter_node: InterNode = setting("leader", "leader | sharded inter-node allreduce (hsgd.inter_node)",
+                                        Choice(STRATEGIES))
+        compression: Compression = setting(
+            "none", "none | fp16 | bf16: the inter-node sums cross nodes in 16 bits, halving inter-node bytes; "
+                    "nothing changes inside a node", Choice(COMPRESSIONS, also=(None,)))
+
+    settings: Settings
     bind: ClassVar[str] = "grad"
     engine: HierarchicalEngine
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
-                 inter_node: InterNode = "leader", compression: Optional[Compression] = None,
-                 settings: Dict[str, object], **common: Any) -> None:
-        self.inter_node = inter_node
-        self.compression = None if compression == "none" else compression
-        super().__init__(optimizer, model, settings={"inter_node": inter_node, "compression": compression,
-                                                     **settings}, **common)
-
-    def _check(self, inter_node: Any, compression: Any, **settings: Any) -> None:
-        check_choice("inter_node", inter_node, STRATEGIES)
-        check_choice("compression", "none" if compression is None else compression, COMPRESSIONS)
-        self._check_own(**settings)
-
-    def _check_own(self, *args: Any, **settings: Any) -> None:
-        """Raise an :class:`~hsgd.errors.InputError` for a bad setting of this mode."""
-
     def _make_engine(self, params: List[torch.nn.Parameter]) -> HierarchicalEngine:
-        return HierarchicalEngine(self.topology, params, self.bind, self.inter_node, self.compression)
+        compression = self.settings.compression
+        return HierarchicalEngine(self.topology, params, self.bind, self.settings.inter_node,
+                                  None if compression == "none" else compression)
 
     @property
     def averager(self) -> HierarchicalAverager:

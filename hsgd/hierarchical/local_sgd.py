@@ -17,43 +17,34 @@ averagings the ranks' models differ: evaluate and save their average
 
 from __future__ import annotations
 
-import numbers
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
-from .._core.checks import check_int
-from .._engine.named import NamedParameterPairs
-from ..compression import Compression
+from .._core.settings import Boolean, Integer, Names, Real, setting
 from ..errors import InputTypeError, InputValueError
-from ..faults.stall import StallInspector
-from ..inter_node import InterNode
-from ..topology import Topology
 from .engine import HierarchicalEngine, HierarchicalMode
 from .outer import OuterFactory
 
 __all__ = ["HierarchicalLocalSGD", "HierarchicalDiLoCo"]
 
 
+def _outer_factory(name: str, value: Any) -> None:
+    if value is not None and not callable(value):
+        raise InputTypeError(f"{name} must be a callable params -> torch.optim.Optimizer, got "
+                             f"{type(value).__name__}; e.g. lambda p: "
+                             "torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)")
+
+
 class HierarchicalLocalSGD(HierarchicalMode):
     """Wraps ``optimizer``: local steps, with periodic two-level parameter averaging.
 
     Args:
-        optimizer, model, topology, inter_node, compression, broadcast: see
-            :class:`~hsgd.hierarchical.engine.HierarchicalMode`.
-        intra_period: average inside the node every this many steps.
-        inter_period: ... and over all ranks every ``intra_period * inter_period`` steps.
-        outer_optimizer: ``None`` (plain averaging), or ``factory(params)`` returning a
-            ``torch.optim.Optimizer`` that steps the global parameters with the averaged
-            pseudo-gradient at each global round (DiLoCo's:
-            ``lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)``).
-            Called once per fragment.
-        fragments: with ``outer_optimizer``, sync the parameters in this many fragments of
-            about equal size, at staggered steps (streaming DiLoCo; at most the number of
-            trainable parameter tensors).
-        fragment_sync_delay: merge a fragment this many steps after its sync started
-            (``0 <= delay < intra_period * inter_period``); its inter-node sums run meanwhile.
-        fragment_update_alpha: a merged fragment is ``alpha * local + (1 - alpha) * global``.
+        optimizer, model, topology, broadcast, stall: see :class:`~hsgd._engine.mode.SyncMode`.
+        **settings: the fields of :class:`HierarchicalLocalSGD.Settings` (``inter_node``,
+            ``compression``, ``intra_period``, ``inter_period``, ``outer_optimizer``,
+            ``fragments``, ``fragment_sync_delay``, ``fragment_update_alpha``).
 
     With ``outer_optimizer`` the pseudo-gradient ``θ_g − mean θ`` is averaged with the two
     levels (and compressed across nodes), the outer optimizer steps the global parameters
@@ -71,62 +62,62 @@ class HierarchicalLocalSGD(HierarchicalMode):
         >>> opt.close()
     """
 
+    @dataclass(frozen=True)
+    class Settings(HierarchicalMode.Settings):
+        """:class:`HierarchicalLocalSGD`'s settings; ``fragments``, ``fragment_sync_delay`` and
+        ``fragment_update_alpha`` need an outer step (``outer_optimizer``)."""
+
+        flags_off: ClassVar[Tuple[str, ...]] = ("fragments", "fragment_sync_delay", "fragment_update_alpha")
+
+        intra_period: int = setting(1, "parameter averaging inside a node every N steps", Integer())
+        inter_period: int = setting(1, "... and across nodes every intra_period * N steps", Integer())
+        outer_optimizer: Optional[OuterFactory] = setting(
+            None, "None (plain averaging), or factory(params) returning a torch.optim.Optimizer that steps the "
+                  "global parameters with the averaged pseudo-gradient at each global round (DiLoCo's: "
+                  "lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)); called once per fragment",
+            _outer_factory, flag=None)
+        fragments: int = setting(1, "streaming DiLoCo: sync the model in N fragments at staggered steps (of about "
+                                    "equal size; at most the model's trainable parameter tensors)", Integer())
+        fragment_sync_delay: int = setting(0, "merge a fragment N steps after its sync started, its inter-node "
+                                              "sums running meanwhile (< intra_period * inter_period)", Integer(0))
+        fragment_update_alpha: float = setting(
+            0.0, "a merged fragment is ALPHA * local + (1 - ALPHA) * global",
+            Real(0, 1, hint="(0: take the global fragment, 1: keep the local one)"))
+
+        def outer_step(self) -> bool:
+            """Whether the global round is an outer step (DiLoCo's)."""
+            return self.outer_optimizer is not None
+
+        def _check_together(self, names: Names) -> None:
+            if not self.outer_step() and (self.fragments != 1 or self.fragment_sync_delay
+                                          or self.fragment_update_alpha):
+                raise InputValueError(f"{names('fragments')}, {names('fragment_sync_delay')} and "
+                                      f"{names('fragment_update_alpha')} belong to DiLoCo's outer step: pass "
+                                      f"{names('outer_optimizer')} too (or use HierarchicalDiLoCo)")
+            period = self.intra_period * self.inter_period
+            if self.fragment_sync_delay >= period:
+                raise InputValueError(
+                    f"{names.given('fragment_sync_delay', self.fragment_sync_delay)} must be below the global "
+                    f"period {names('intra_period')} * {names('inter_period')} = {period}: a fragment merges "
+                    "before it syncs again")
+
+    settings: Settings
     name = "local"
     bind = "data"
     replicas_differ = True
     balances = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
-                 named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
-                 inter_node: InterNode = "leader", compression: Optional[Compression] = None,
-                 intra_period: int = 1, inter_period: int = 1, outer_optimizer: Optional[OuterFactory] = None,
-                 fragments: int = 1, fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
-                 broadcast: bool = True, stall_timeout: Optional[float] = None,
-                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
-                 stall: Optional[StallInspector] = None) -> None:
-        self.intra_period, self.inter_period = intra_period, inter_period
-        self.outer_optimizer, self.fragments = outer_optimizer, fragments
-        self.fragment_sync_delay, self.fragment_update_alpha = fragment_sync_delay, fragment_update_alpha
-        outer = None if outer_optimizer is None else \
-            f"{getattr(outer_optimizer, '__module__', '')}.{getattr(outer_optimizer, '__qualname__', '?')}"
-        super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
-                         inter_node=inter_node, compression=compression, broadcast=broadcast,
-                         settings={"intra_period": intra_period, "inter_period": inter_period,
-                                   "outer_optimizer": outer, "fragments": fragments,
-                                   "fragment_sync_delay": fragment_sync_delay,
-                                   "fragment_update_alpha": fragment_update_alpha},
-                         stall_timeout=stall_timeout, stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after, stall=stall)
-
-    def _check_own(self, intra_period: Any, inter_period: Any, outer_optimizer: Any, fragments: Any,
-                   fragment_sync_delay: Any, fragment_update_alpha: Any) -> None:
-        check_int("intra_period", intra_period)
-        check_int("inter_period", inter_period)
-        check_int("fragments", fragments)
-        check_int("fragment_sync_delay", fragment_sync_delay, minimum=0)
-        alpha = fragment_update_alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= float(alpha) <= 1:
-            raise InputValueError(f"Invalid fragment_update_alpha {alpha!r}; use a number in [0, 1] "
-                                  "(0: take the global fragment, 1: keep the local one)")
-        if self.outer_optimizer is not None and not callable(self.outer_optimizer):
-            raise InputTypeError(f"outer_optimizer must be a callable params -> torch.optim.Optimizer, got "
-                                 f"{type(self.outer_optimizer).__name__}; e.g. lambda p: "
-                                 "torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)")
-        if self.outer_optimizer is None and (fragments != 1 or fragment_sync_delay or alpha):
-            raise InputValueError("fragments, fragment_sync_delay and fragment_update_alpha belong to "
-                                  "DiLoCo's outer step: pass outer_optimizer too (or use HierarchicalDiLoCo)")
-        period = intra_period * inter_period
-        if fragment_sync_delay >= period:
-            raise InputValueError(f"fragment_sync_delay={fragment_sync_delay} must be below the global period "
-                                  f"intra_period * inter_period = {period}: a fragment merges before it syncs again")
+    def _outer_factory(self) -> Optional[OuterFactory]:
+        return self.settings.outer_optimizer
 
     def _make_engine(self, params: List[torch.nn.Parameter]) -> HierarchicalEngine:
         engine = super()._make_engine(params)
-        if self.outer_optimizer is None:
+        factory, settings = self._outer_factory(), self.settings
+        if factory is None:
             return engine
         try:
-            engine.start_outer(self.outer_optimizer, self.intra_period * self.inter_period, self.fragments,
-                               self.fragment_sync_delay, float(self.fragment_update_alpha))
+            engine.start_outer(factory, settings.intra_period * settings.inter_period, settings.fragments,
+                               settings.fragment_sync_delay, float(settings.fragment_update_alpha))
         except BaseException:
             engine.close()
             raise
@@ -134,9 +125,9 @@ class HierarchicalLocalSGD(HierarchicalMode):
 
     def averaging_level(self, step: int) -> Optional[str]:
         """``"global"``, ``"node"`` or ``None``: what step ``step`` averages."""
-        if step % (self.intra_period * self.inter_period) == 0:
+        if step % (self.settings.intra_period * self.settings.inter_period) == 0:
             return "global"
-        if step % self.intra_period == 0:
+        if step % self.settings.intra_period == 0:
             return "node"
         return None
 
@@ -181,8 +172,8 @@ class HierarchicalLocalSGD(HierarchicalMode):
 class HierarchicalDiLoCo(HierarchicalLocalSGD):
     """:class:`HierarchicalLocalSGD` with DiLoCo's outer step: SGD on the global parameters
     with learning rate ``outer_lr``, momentum ``outer_momentum`` and Nesterov
-    (``outer_nesterov``); the defaults are DiLoCo's (0.7, 0.9, Nesterov). The other
-    arguments are :class:`HierarchicalLocalSGD`'s.
+    (``outer_nesterov``); the defaults are DiLoCo's (0.7, 0.9, Nesterov). Its settings are
+    :class:`HierarchicalDiLoCo.Settings`; the other arguments are :class:`HierarchicalLocalSGD`'s.
 
     Example::
 
@@ -190,32 +181,38 @@ class HierarchicalDiLoCo(HierarchicalLocalSGD):
         ...                          intra_period=10, inter_period=50)  # outer SGD, lr 0.7, Nesterov 0.9
     """
 
+    @dataclass(frozen=True)
+    class Settings(HierarchicalLocalSGD.Settings):
+        """:class:`HierarchicalDiLoCo`'s settings: :class:`HierarchicalLocalSGD`'s (but
+        ``outer_optimizer``: the outer step is SGD with these) and the outer SGD's."""
+
+        flags_off: ClassVar[Tuple[str, ...]] = ()
+
+        outer_lr: float = setting(0.7, "DiLoCo's outer learning rate", Real(0, open_low=True, hint="(DiLoCo: 0.7)"))
+        outer_momentum: float = setting(0.9, "DiLoCo's outer momentum in [0, 1)",
+                                        Real(0, 1, open_high=True, hint="(DiLoCo: 0.9)"))
+        outer_nesterov: bool = setting(True, "Nesterov outer momentum", Boolean())
+
+        def outer_step(self) -> bool:
+            return True
+
+        def _check_together(self, names: Names) -> None:
+            if self.outer_optimizer is not None:
+                raise InputTypeError("HierarchicalDiLoCo builds its outer SGD from outer_lr, outer_momentum and "
+                                     "outer_nesterov; for another outer optimizer use "
+                                     "HierarchicalLocalSGD(outer_optimizer=...)")
+            if self.outer_nesterov and self.outer_momentum == 0:
+                raise InputValueError(f"{names('outer_nesterov')} needs {names('outer_momentum')} > 0; pass "
+                                      f"{names.given('outer_nesterov', False)} for plain outer SGD")
+            super()._check_together(names)
+
+    settings: Settings
     name = "diloco"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
-                 **kwargs: Any) -> None:
-        self.outer_lr, self.outer_momentum, self.outer_nesterov = outer_lr, outer_momentum, outer_nesterov
-        self._given_outer = kwargs.pop("outer_optimizer", None) is not None  # refused in _check_own, agreed
-        super().__init__(optimizer, model, outer_optimizer=self._outer_sgd, **kwargs)
+    def _outer_factory(self) -> Optional[OuterFactory]:
+        return self._outer_sgd
 
     def _outer_sgd(self, params: List[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum,
-                               nesterov=self.outer_nesterov)
-
-    def _check_own(self, *args: Any, **settings: Any) -> None:
-        lr, momentum, nesterov = self.outer_lr, self.outer_momentum, self.outer_nesterov
-        if self._given_outer:
-            raise InputTypeError("HierarchicalDiLoCo builds its outer SGD from outer_lr, outer_momentum and "
-                                 "outer_nesterov; for another outer optimizer use "
-                                 "HierarchicalLocalSGD(outer_optimizer=...)")
-        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not float(lr) > 0:
-            raise InputValueError(f"Invalid outer_lr {lr!r}; use a positive number (DiLoCo: 0.7)")
-        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= float(momentum) < 1:
-            raise InputValueError(f"Invalid outer_momentum {momentum!r}; use a number in [0, 1) (DiLoCo: 0.9)")
-        if not isinstance(nesterov, bool):
-            raise InputTypeError(f"outer_nesterov must be True or False, got {nesterov!r}")
-        if nesterov and momentum == 0:
-            raise InputValueError("outer_nesterov needs outer_momentum > 0; pass outer_nesterov=False for "
-                                  "plain outer SGD")
-        super()._check_own(**settings)
+        settings = self.settings
+        return torch.optim.SGD(params, lr=settings.outer_lr, momentum=settings.outer_momentum,
+                               nesterov=settings.outer_nesterov)

@@ -17,24 +17,18 @@ averaging), giving the mean over all ``N * world`` micro-batches. Usage, clippin
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 import warnings
-from typing import Any, Iterator, List, Optional
+from dataclasses import dataclass
+from typing import Iterator, List, Optional
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from .._core.agree import collective_error
-from .._core.checks import check_int
-from .._engine.named import NamedParameterPairs
+from .._core.settings import Boolean, Integer, Real, setting
 from .._engine.overlap import BackwardOverlap
-from ..compression import Compression
-from ..errors import InputTypeError, InputValueError
-from ..faults.stall import StallInspector
-from ..inter_node import InterNode
-from ..topology import Topology
+from ..errors import InputValueError
 from .engine import HierarchicalEngine, HierarchicalMode
 
 __all__ = ["HierarchicalSGD", "DEFAULT_BUCKET_MB"]
@@ -46,17 +40,16 @@ class HierarchicalSGD(HierarchicalMode):
     """Wraps ``optimizer`` so that every ``step()`` averages the gradients over all ranks.
 
     Args:
-        optimizer, model, topology, inter_node, compression, broadcast: see
-            :class:`~hsgd.hierarchical.engine.HierarchicalMode`.
-        backward_passes_per_step: divide the accumulated gradient by this (with ``overlap``,
-            also the backward passes after which a gradient is final).
-        overlap: average the gradients in buckets while backward still runs
-            (:mod:`hsgd._engine.overlap`), the same averages as without. ``backward()`` then
-            returns with the averages, as with DDP (clipping after it clips the average), is
-            collective, and must run exactly ``backward_passes_per_step`` times per step
-            (earlier passes inside :meth:`no_sync`); a ``GradScaler`` is refused. It pays only
-            where averaging can run beside backward (docs/benchmarks.md).
-        bucket_cap_mb: bucket size in MiB with ``overlap`` (the first bucket 1 MiB at most).
+        optimizer, model, topology, broadcast, stall: see :class:`~hsgd._engine.mode.SyncMode`.
+        **settings: the fields of :class:`HierarchicalSGD.Settings` (``inter_node``,
+            ``compression``, ``backward_passes_per_step``, ``overlap``, ``bucket_cap_mb``).
+
+    With ``overlap=True`` the gradients are averaged in buckets while backward still runs
+    (:mod:`hsgd._engine.overlap`), the same averages as without. ``backward()`` then returns
+    with the averages, as with DDP (clipping after it clips the average), is collective, and
+    must run exactly ``backward_passes_per_step`` times per step (earlier passes inside
+    :meth:`no_sync`); a ``GradScaler`` is refused. It pays only where averaging can run
+    beside backward (docs/benchmarks.md).
 
     Construction is collective. It raises the same error on every rank if the
     ranks' models differ (names, shapes, dtypes) or the settings differ.
@@ -93,41 +86,31 @@ class HierarchicalSGD(HierarchicalMode):
         >>> scaler.update()
     """
 
+    @dataclass(frozen=True)
+    class Settings(HierarchicalMode.Settings):
+        """:class:`HierarchicalSGD`'s settings."""
+
+        backward_passes_per_step: int = setting(
+            1, "divide the accumulated gradient by this (with overlap, also the backward passes after which "
+               "a gradient is final)", Integer(), flag=None)
+        overlap: bool = setting(False, "average the gradients in buckets while backward still runs "
+                                       "(HierarchicalSGD(overlap=True)); docs/benchmarks.md says where it pays",
+                                Boolean())
+        bucket_cap_mb: float = setting(DEFAULT_BUCKET_MB, "--overlap: bucket size in MiB (the first bucket is 1 MiB "
+                                                          "at most)",
+                                       Real(0, open_low=True, finite=True, hint=f"(MiB; default {DEFAULT_BUCKET_MB})"))
+
+    settings: Settings
     name = "sync"
     bind = "grad"
     balances = True
     finite_guard = True
-
-    def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
-                 named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
-                 inter_node: InterNode = "leader", compression: Optional[Compression] = None,
-                 backward_passes_per_step: int = 1, overlap: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_MB,
-                 broadcast: bool = True, stall_timeout: Optional[float] = None,
-                 stall_abort: Optional[bool] = None, stall_abort_after: Optional[float] = None,
-                 stall: Optional[StallInspector] = None) -> None:
-        self.backward_passes_per_step = backward_passes_per_step
-        self.overlap, self.bucket_cap_mb = overlap, bucket_cap_mb
-        self._synchronized = False
-        self._skip = False
-        super().__init__(optimizer, model, named_parameters=named_parameters, topology=topology,
-                         inter_node=inter_node, compression=compression, broadcast=broadcast,
-                         settings={"backward_passes_per_step": backward_passes_per_step, "overlap": overlap,
-                                   "bucket_cap_mb": bucket_cap_mb},
-                         stall_timeout=stall_timeout, stall_abort=stall_abort,
-                         stall_abort_after=stall_abort_after, stall=stall)
-
-    def _check_own(self, backward_passes_per_step: Any, overlap: Any, bucket_cap_mb: Any) -> None:
-        check_int("backward_passes_per_step", backward_passes_per_step)
-        if not isinstance(overlap, bool):
-            raise InputTypeError(f"overlap must be True or False, got {overlap!r}")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real) \
-                or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
-            raise InputValueError(f"Invalid bucket_cap_mb: {bucket_cap_mb!r}; use a number of MiB > 0 "
-                                  f"(default {DEFAULT_BUCKET_MB})")
+    _synchronized = False
+    _skip = False
 
     def _make_engine(self, params: List[torch.nn.Parameter]) -> HierarchicalEngine:
         engine = super()._make_engine(params)
-        if not self.overlap:
+        if not self.settings.overlap:
             return engine
         try:
             if not all(engine.binding.zero_copy) and MPI.Query_thread() < MPI.THREAD_SERIALIZED:
@@ -135,7 +118,8 @@ class HierarchicalSGD(HierarchicalMode):
                     "overlap=True with parameters on a GPU averages from autograd's device threads, "
                     "which needs MPI initialized with MPI_THREAD_SERIALIZED or more (mpi4py's default, "
                     "mpi4py.rc.thread_level = 'multiple'); or pass overlap=False"))
-            engine.start_overlap(bucket_cap_mb=self.bucket_cap_mb, passes=self.backward_passes_per_step,
+            engine.start_overlap(bucket_cap_mb=self.settings.bucket_cap_mb,
+                                 passes=self.settings.backward_passes_per_step,
                                  weight=lambda: self.step_weight("global"),
                                  waiting=lambda what, count=True: self.stall.waiting(self.num_steps, what, count))
         except BaseException:
@@ -158,7 +142,7 @@ class HierarchicalSGD(HierarchicalMode):
         # batch_shares: the average weights rank r by its batch; under GradScaler.step() each
         # rank's gradients are unscaled by its own loss scale before they are summed
         with self.stall.waiting(self.num_steps, "synchronize()"):
-            self.engine.average("global", self.step_weight("global"), self.backward_passes_per_step)
+            self.engine.average("global", self.step_weight("global"), self.settings.backward_passes_per_step)
         self._synchronized = True
 
     def _finish_overlap(self) -> None:
@@ -173,7 +157,7 @@ class HierarchicalSGD(HierarchicalMode):
         if overrun[0]:
             raise collective_error(InputValueError, (
                 f"with overlap=True a backward pass ran after the average of the "
-                f"backward_passes_per_step={self.backward_passes_per_step} before it and before "
+                f"backward_passes_per_step={self.settings.backward_passes_per_step} before it and before "
                 "step(): its gradients are not averaged. Pass backward_passes_per_step=<backward "
                 "passes per step>, or run the earlier passes inside opt.no_sync()"))
 

@@ -1,4 +1,5 @@
-"""The stall inspector (``stall_timeout``): reports name exactly the ranks that keep the others waiting."""
+"""The stall inspector (``stall=StallSettings(timeout=...)``): reports name exactly the ranks that keep
+the others waiting."""
 
 import re
 import time
@@ -8,12 +9,16 @@ import torch
 from _models import fixed_batch, mlp
 
 from hsgd import HierarchicalSGD
+from hsgd.faults import StallSettings
 
 
 def build(timeout, **kwargs):
+    """A mode whose own inspector has ``timeout``, or, with ``stall=``, that inspector
+    (the one ``stall=`` argument: a timeout beside it is passed the old way, and refused)."""
     model = mlp(torch.float64)
-    return model, HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                  stall_timeout=timeout, **kwargs)
+    settings = {"stall": StallSettings(timeout=timeout)} if "stall" not in kwargs else \
+        {} if timeout is None else {"stall_timeout": timeout}
+    return model, HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, **settings, **kwargs)
 
 
 def train_step(model, opt):
@@ -126,7 +131,7 @@ def test_a_mode_shares_an_inspector_handed_to_it_and_leaves_it_open(comm):
     assert stall.entered == 4  # three steps and the caller's wait, on one count
     opt.close()
     assert stall.enabled and not stall.closed  # the caller's to close
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(TypeError, match="stall_timeout"):  # one stall= argument: settings or an inspector
         build(5.0, stall=stall)
     with pytest.raises(TypeError, match="StallInspector"):
         build(None, stall="60")

@@ -65,12 +65,12 @@ def test_bad_arguments_name_themselves(mode, kwargs, match):
 
 def test_every_mode_is_a_sync_mode_listed_once_by_name():
     from hsgd import AsyncSGD, ElasticSGD, GossipSGD, HierarchicalDiLoCo
-    from hsgd._trainer.modes import MODE_CONFIGS
+    from hsgd._core.settings import Settings
     assert SYNC_MODES == {"sync": HierarchicalSGD, "local": HierarchicalLocalSGD, "diloco": HierarchicalDiLoCo,
                           "elastic": ElasticSGD, "async": AsyncSGD, "gossip": GossipSGD}
     for name, mode in SYNC_MODES.items():
         assert issubclass(mode, SyncMode) and mode.name == name
-        assert MODE_CONFIGS[name].sync == name  # the trainer's config of the mode
+        assert issubclass(mode.Settings, Settings)  # its settings, and so its trainer flags
 
 
 def test_optimizer_must_train_the_model():
