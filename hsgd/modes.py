@@ -2,7 +2,7 @@
 
 Every mode is a :class:`~hsgd._engine.mode.SyncMode` subclass with a
 ``name``; this table is the one list of them. ``python -m hsgd.train
---sync NAME`` builds the mode from its config (:mod:`hsgd._trainer.modes`)
+--sync NAME`` builds the mode from its config (:mod:`hsgd._trainer.mode_flags`)
 and never branches on the name itself.
 
 Example::

@@ -54,9 +54,9 @@ MODES_SECTION = "synchronization modes' settings"  # after "synchronization"
 
 def trainer_sections() -> List[Tuple[str, List[str]]]:
     """TrainConfig's own fields in the sections its source marks with ``# --- name ---`` comments,
-    and the modes' (:data:`hsgd._trainer.modes.ModeFlags`) in a section of their own."""
+    and the modes' (:data:`hsgd._trainer.mode_flags.ModeFlags`) in a section of their own."""
     from hsgd._trainer.config import TrainConfig
-    from hsgd._trainer.modes import ModeFlags
+    from hsgd._trainer.mode_flags import ModeFlags
 
     modes = [f.name for f in dataclasses.fields(ModeFlags)]
     names = {f.name for f in dataclasses.fields(TrainConfig)} - set(modes)

@@ -5,7 +5,7 @@ the trainer flag it is set by, in one place (as in torchtitan's job config,
 or torch's ``PowerSGDState``, which holds each hyperparameter once). From
 these the library takes its keyword arguments and their checks
 (:meth:`Settings.validate`), and the trainer its flags, their ``--help`` and
-their checks (:mod:`hsgd._trainer.modes`). A check that spans fields lives in
+their checks (:mod:`hsgd._trainer.mode_flags`). A check that spans fields lives in
 the dataclass that owns them, in :meth:`Settings._check_together`.
 
 Messages name a field through :class:`Names`: as a keyword argument

@@ -3,7 +3,7 @@
 A mode wraps an inner ``torch.optim`` optimizer (composition, not a generated
 subclass) and keeps the ranks' replicas of one model in step. The base class checks
 and agrees, wraps, and owns the life cycle; the machinery is the family's *engine*
-(:mod:`hsgd._engine.engine`). It *is* a ``torch.optim.Optimizer``
+(:mod:`hsgd._engine.protocols`). It *is* a ``torch.optim.Optimizer``
 (:class:`~hsgd._engine.optimizer.InnerOptimizer`), so torch's LR schedulers,
 ``GradScaler`` and optimizer hooks take the mode itself.
 
@@ -35,9 +35,9 @@ from ..faults.stall import Stall, StallInspector, StallSettings
 from ..replicas import averaged_state_dict, broadcast_optimizer_state, broadcast_parameters, check_same_model
 from ..topology import Topology
 from .binding import SlotBinding
-from .engine import Engine
 from .named import NamedParameterPairs, model_of
 from .optimizer import InnerOptimizer
+from .protocols import Engine
 from .weights import BatchShares
 
 __all__ = ["SyncMode", "collective"]
@@ -117,7 +117,7 @@ class SyncMode(InnerOptimizer, Closable):
 
     Attributes:
         settings: the mode's :attr:`Settings`, as given.
-        engine: the family's :class:`~hsgd._engine.engine.Engine` (its ``binding``, ``traffic``
+        engine: the family's :class:`~hsgd._engine.protocols.Engine` (its ``binding``, ``traffic``
             and, for the hierarchical family, ``averager`` and ``overlap``), for tools and tests.
         stall: the :class:`~hsgd.faults.stall.StallInspector` that watches this mode's waits.
     """

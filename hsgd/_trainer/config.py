@@ -3,7 +3,7 @@
 ``python -m hsgd.train --help`` is generated from :class:`TrainConfig`, so
 every option documents itself with its default. The synchronization modes'
 options are not declared here: :class:`TrainConfig` extends their dataclass,
-derived from the modes' settings (:mod:`hsgd._trainer.modes`). :func:`parse_config` builds
+derived from the modes' settings (:mod:`hsgd._trainer.mode_flags`). :func:`parse_config` builds
 the config from the command line and :meth:`TrainConfig.validate` returns the
 first problem as a message that says what to change (the trainer prints it
 once, from rank 0, and exits with status 2).
@@ -21,8 +21,8 @@ from typing import List, Optional, Tuple, Union, get_type_hints
 from .._core.agree import collective_error
 from ..errors import InputValueError
 from ..modes import SYNC_MODES
+from .mode_flags import ModeFlags, mode_flags, mode_problem, mode_settings
 from .models import GPTConfig, model_problem
-from .modes import ModeFlags, mode_flags, mode_problem, mode_settings
 
 __all__ = ["TrainConfig", "parse_config", "default_cache_dir"]
 

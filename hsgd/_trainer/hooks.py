@@ -4,7 +4,7 @@
 called; each does nothing unless overridden. The trainer's hooks: :class:`Straggler`
 (``--straggler``), :class:`~hsgd._trainer.balancing.Balancing` (``--balance``), the stop
 agreement (:mod:`hsgd._trainer.stopping`), :class:`StopAfter` (``--stop-after``) and
-:class:`~hsgd._trainer.progress.Progress`. Every rank builds the same hooks in the
+:class:`~hsgd._trainer.progress_bar.Progress`. Every rank builds the same hooks in the
 same order, so that their collectives meet.
 """
 

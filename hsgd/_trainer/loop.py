@@ -34,7 +34,7 @@ from .config import TrainConfig
 from .hooks import Hooks, StopAfter, Straggler
 from .metrics import MetricsLog, PhaseClock, write_timeline
 from .precision import MixedPrecision
-from .progress import Progress
+from .progress_bar import Progress
 from .setup import build, setup
 from .stopping import STOP_CHECK_STEPS, stop_agreement
 from .tasks import Task

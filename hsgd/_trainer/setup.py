@@ -25,8 +25,8 @@ from ..parallel_io import ContiguousH5Loader
 from ..topology import Topology
 from .checkpoint import check_writable
 from .config import TrainConfig
+from .mode_flags import build_mode
 from .models import build_model
-from .modes import build_mode
 from .precision import check_amp
 from .tasks import choose_task, data_kind
 from .training import dataset_length, make_optimizer, make_scheduler, num_classes, prepare_data, test_batch_size

@@ -108,7 +108,7 @@ class StallInspector:
     The watchdog wakes every ``timeout / 4`` seconds (at most every second) and reports
     again every ``timeout`` seconds while a wait lasts. The ranks need not answer its
     reads: where the network needs the owner's MPI to move the bytes, the owner's progress
-    thread does (``hsgd.remote.progress``), and a rank that does not answer within a few
+    thread does (``hsgd.remote.progress_thread``), and a rank that does not answer within a few
     seconds (its host dead or cut off) is named as such. In the lockstep modes every rank
     enters the same synchronizations, so a rank that arrived is never named; in the modes
     whose ranks do not step together (the box, gossip) the ranks named are those behind

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from .._core.traffic import Traffic
 from .._core.waits import wait_all
 from .._engine.binding import FlatSlot, SlotBinding
-from .._engine.engine import Engine
+from .._engine.protocols import Engine
 from .graphs import make_graph
 
 __all__ = ["GossipEngine"]

@@ -26,9 +26,9 @@ from .._core.forward import forwarded
 from .._core.settings import Choice, setting
 from .._core.traffic import Traffic
 from .._engine.binding import SlotBinding
-from .._engine.engine import Engine
 from .._engine.mode import SyncMode
 from .._engine.overlap import BackwardOverlap
+from .._engine.protocols import Engine
 from ..compression import COMPRESSIONS, Compression
 from ..errors import InputTypeError
 from ..inter_node import STRATEGIES, InterNode

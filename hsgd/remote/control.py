@@ -31,7 +31,7 @@ def _word(value: int) -> list:
 class ControlWords:
     """The version counter and the lock word on ``root``. Collective to build and to free.
 
-    ``bells``: the region's :class:`~hsgd.remote.progress.Doorbells`, rung before each operation.
+    ``bells``: the region's :class:`~hsgd.remote.progress_thread.Doorbells`, rung before each operation.
 
     The caller makes the zeroed words visible to all ranks with a barrier
     after construction (``RemoteMemory`` does, once for both its windows).

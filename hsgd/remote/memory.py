@@ -32,7 +32,7 @@ from ..topology import Topology
 from .control import ControlWords
 from .layout import DTYPES, agree_owners, pieces, shard_bounds
 from .pacing import LEAST_BYTES, Pacer
-from .progress import IDLE_S, Doorbells
+from .progress_thread import IDLE_S, Doorbells
 from .reads import get_windowed
 
 __all__ = ["RemoteMemory", "DTYPES", "DEFAULT_CHUNK_BYTES"]
@@ -56,7 +56,7 @@ class RemoteMemory(Closable):
         topology: a :class:`~hsgd.Topology` over ``comm`` to take the nodes
             from (default: built here and freed again).
         progress_idle: across hosts, how often (seconds) an owner's progress thread polls while
-            no doorbell comes in (``hsgd.remote.progress``); a region read only now and
+            no doorbell comes in (``hsgd.remote.progress_thread``); a region read only now and
             then can afford a slow poll.
 
     The region starts zero-filled.
@@ -84,7 +84,7 @@ class RemoteMemory(Closable):
         self._win = MPI.Win.Allocate(shard * self.itemsize, self.itemsize, info, comm)
         # Over plain TCP the owner's MPI library moves the data, so an owner on another host must
         # make progress: origins ring its doorbell before each operation and its progress thread
-        # polls MPI (hsgd.remote.progress). With RDMA in hardware the owner needs none of it.
+        # polls MPI (hsgd.remote.progress_thread). With RDMA in hardware the owner needs none of it.
         self._bells = Doorbells(comm, serves=rank in owners, idle=progress_idle)
         # The lock and the version counter, in a small second window on owners[0]. Not mpi4py's
         # util.sync.Mutex and Counter: they open a lock epoch per operation (see below).

@@ -11,7 +11,7 @@ import pytest
 from hsgd import InputTypeError, InputValueError
 from hsgd._core.settings import Choice, Names, Settings, flag_of
 from hsgd._trainer.config import TrainConfig, build_parser, parse_config
-from hsgd._trainer.modes import ModeFlags, mode_flag_fields, mode_settings
+from hsgd._trainer.mode_flags import ModeFlags, mode_flag_fields, mode_settings
 from hsgd.modes import SYNC_MODES
 
 

@@ -24,8 +24,8 @@ import torch
 from .._core.settings import Integer, Real, setting
 from .._core.traffic import Traffic
 from .._engine.binding import FlatSlot, SlotBinding
-from .._engine.engine import Engine
 from .._engine.mode import SyncMode, collective
+from .._engine.protocols import Engine
 from ..errors import InputValueError
 from ..remote.memory import RemoteMemory
 from ..topology import Topology
