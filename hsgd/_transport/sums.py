@@ -14,10 +14,12 @@ first's result), which :class:`hsgd.inter_node.Pending` does.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, Optional
 
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
 
 from .._core.traffic import sum_splits
 
@@ -39,10 +41,24 @@ def _blocks(comm, array: np.ndarray):
     return counts, offsets, np.empty(counts[comm.Get_rank()], dtype=array.dtype)
 
 
+@functools.cache
+def _predefined(dtype: np.dtype) -> MPI.Datatype:
+    """The predefined MPI type of ``dtype``. mpi4py's ``from_numpy_dtype`` returns a duplicate of
+    it, a derived type, which Open MPI's own reduction operations refuse (``MPI_ERR_OP``): the
+    type it duplicates is taken, and the duplicate freed."""
+    duplicate = from_numpy_dtype(dtype)
+    try:
+        base, combiner, _ = duplicate.decode()
+    finally:
+        duplicate.Free()
+    assert combiner == "DUP", combiner  # an elementary dtype's type is a duplicate of a predefined one
+    return base
+
+
 def _spec(array: np.ndarray, mpi_type: Optional[MPI.Datatype], *layout):
     """mpi4py's buffer argument: the array, its layout (counts, offsets) if given, and its MPI
     type (``None``: the predefined type of numpy's dtype, which MPI's own operations take)."""
-    return [array, *layout, MPI._typedict[array.dtype.char] if mpi_type is None else mpi_type]
+    return [array, *layout, _predefined(array.dtype) if mpi_type is None else mpi_type]
 
 
 def _exchange(comm, array, mpi_type, counts, offsets):
