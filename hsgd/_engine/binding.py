@@ -24,6 +24,7 @@ import torch
 
 from .._core.agree import collective_error
 from ..errors import InputTypeError
+from .torch_compat import version
 
 __all__ = ["SlotBinding", "FlatSlot", "slot_views"]
 
@@ -91,7 +92,7 @@ class SlotBinding:
     place (backward accumulating into the view, or ``p.grad.copy_(g)``), by the hook
     (another tensor over the same memory), or by assigning a new tensor. Each view is
     its own tensor with its own version counter, so an in-place write shows as a changed
-    ``_version`` and an assignment as another data pointer (:meth:`gather`).
+    version counter and an assignment as another data pointer (:meth:`gather`).
     """
 
     #: Device types whose tensors become views into the slot; any other is staged. The tests
@@ -107,7 +108,7 @@ class SlotBinding:
         self.averager = averager
         places = averager.layout.places
         self.views: List[torch.Tensor] = slot_views(averager, self.params)
-        self._versions = [view._version for view in self.views]
+        self._versions = [version(view) for view in self.views]
         self.zero_copy = [p.device.type in self.zero_copy_devices for p in self.params]
         self.flags = None
         if flags:
@@ -166,13 +167,13 @@ class SlotBinding:
                 elif not (zc and cur.data_ptr() == view.data_ptr()):
                     view.copy_(cur)
                     used = True  # assigned by the user, or a fresh tensor from backward
-                elif cur is not view or cur._version != self._versions[i]:
+                elif cur is not view or version(cur) != self._versions[i]:
                     used = True  # written in place (backward's accumulation, or the user)
                 if zc:
                     self._attach(p, view)
                 if self.flags is not None:
                     self.flags[i] = 1.0 if used else 0.0
-                self._versions[i] = view._version
+                self._versions[i] = version(view)
 
     def scatter(self) -> None:
         """After averaging: give staged parameters the result, unused ones ``None``."""
@@ -192,7 +193,7 @@ class SlotBinding:
         with torch.no_grad():
             for view in self.views:
                 view.mul_(factor)
-        self._versions = [view._version for view in self.views]
+        self._versions = [version(view) for view in self.views]
 
     def scale_range(self, segment: int, lo: int, hi: int, factor: float) -> None:
         """Multiply elements ``[lo, hi)`` of segment ``segment`` of this rank's slot by ``factor``."""
@@ -214,7 +215,7 @@ class SlotBinding:
                     p.grad = view
             elif p.grad is not None:
                 p.grad.zero_()
-        self._versions = [view._version for view in self.views]
+        self._versions = [version(view) for view in self.views]
 
     def unbind(self) -> None:
         """Give every zero-copy parameter private storage again (before freeing)."""

@@ -38,6 +38,7 @@ from .binding import SlotBinding
 from .named import NamedParameterPairs, model_of
 from .optimizer import InnerOptimizer
 from .protocols import Engine
+from .torch_compat import GradScalerStep, grad_scaler_scale, under_grad_scaler
 from .weights import BatchShares
 
 __all__ = ["SyncMode", "collective"]
@@ -89,7 +90,7 @@ def _check_stall(stall, comm) -> None:
                               "(built on topology.comm)")
 
 
-class SyncMode(InnerOptimizer, Closable):
+class SyncMode(InnerOptimizer, GradScalerStep, Closable):
     """Base class of the synchronization modes. Construction is collective.
 
     Args:
@@ -133,8 +134,7 @@ class SyncMode(InnerOptimizer, Closable):
     lockstep: ClassVar[bool] = True         # step() is collective: a caller may add collectives between steps
     balances: ClassVar[bool] = False        # its averages weight ranks by batch_shares
     finite_guard: ClassVar[bool] = False    # gradients_finite() says (the same on every rank) if averages are finite
-    # GradScaler.step() then always calls step(), with grad_scale and found_inf set on us
-    _step_supports_amp_scaling: ClassVar[bool] = True
+    # GradScalerStep: GradScaler.step() always calls step(), with grad_scale and found_inf set on us
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
                  named_parameters: Optional[NamedParameterPairs] = None, topology: Optional[Topology] = None,
@@ -295,8 +295,8 @@ class SyncMode(InnerOptimizer, Closable):
     def _amp_inverse_scale(self) -> float:
         """1 / the loss scale that ``GradScaler.step()`` set on this optimizer for this step
         (``grad_scale``; ``None`` once ``unscale_`` ran), else 1."""
-        scale = getattr(self, "grad_scale", None)
-        return 1.0 if scale is None else 1.0 / float(scale)
+        scale = grad_scaler_scale(self)
+        return 1.0 if scale is None else 1.0 / scale
 
     # --- the step ----------------------------------------------------------------------------
     # override: torch overloads step() (no closure -> None, a closure -> float); one signature
@@ -318,7 +318,7 @@ class SyncMode(InnerOptimizer, Closable):
     @property
     def _under_scaler(self) -> bool:
         """Whether ``GradScaler.step()`` drives this step (it set ``found_inf`` on us)."""
-        return "found_inf" in self.__dict__
+        return under_grad_scaler(self)
 
     def _unscale_local(self) -> None:
         """Under ``GradScaler.step()``: unscale this rank's own gradients, and skip the inner

@@ -10,12 +10,13 @@ which carries the step count as ``"hsgd_steps"``.
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Any, Dict, List
 
 import torch
 
 from ..errors import InputValueError
+from .torch_compat import init_optimizer_hooks, load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["InnerOptimizer"]
 
@@ -29,13 +30,7 @@ class InnerOptimizer(torch.optim.Optimizer):
     def _init_optimizer_hooks(self) -> None:
         """What ``torch.optim.Optimizer.__init__`` sets up for hooks (that one would also
         copy the parameter groups: ours are the inner optimizer's)."""
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()  # step() runs the step pre- and post-hooks
+        init_optimizer_hooks(self)  # step() runs the step pre- and post-hooks
 
     # torch declares these three as plain attributes; here they are read-only views of the
     # inner optimizer's own objects, which is what the override error flags.
@@ -63,24 +58,20 @@ class InnerOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """The inner optimizer's state dict, plus ``"hsgd_steps"`` (the step count).
         Runs the state-dict hooks registered on this optimizer."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
+        return state_dict_with_hooks(self, self._inner_state_dict)
+
+    def _inner_state_dict(self) -> Dict[str, Any]:
         state = self.optimizer.state_dict()
         state["hsgd_steps"] = self.num_steps
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, state)
-            state = state if result is None else result
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` into the inner optimizer and restore the
         step count (``"hsgd_steps"``, 0 if absent). Runs the load-state-dict hooks registered
         on this optimizer."""
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            state_dict = state_dict if result is None else result
+        load_state_dict_with_hooks(self, state_dict, self._load_inner_state_dict)
+
+    def _load_inner_state_dict(self, state_dict: Dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         self.num_steps = int(state_dict.pop("hsgd_steps", 0))
         self.optimizer.load_state_dict(state_dict)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)

@@ -24,11 +24,11 @@ import time
 from typing import TYPE_CHECKING, Callable, Deque, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
 from .._core.waits import Backoff
 from .buckets import FIRST_BUCKET_MB, Bucket, plan_buckets
+from .torch_compat import queue_end_of_backward
 
 if TYPE_CHECKING:
     from ..inter_node import Pending
@@ -282,7 +282,7 @@ class BackwardOverlap:
             self.state = "open"
             if not self._queued:
                 # The first hook of a pass queues what autograd runs when the pass ends.
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                queue_end_of_backward(self._end_of_backward)
                 self._queued = True
             self._counts[i] += 1
             written = False

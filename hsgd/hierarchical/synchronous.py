@@ -28,6 +28,7 @@ from mpi4py import MPI
 from .._core.agree import collective_error
 from .._core.settings import Boolean, Integer, Real, setting
 from .._engine.overlap import BackwardOverlap
+from .._engine.torch_compat import leave_grad_scaler
 from ..errors import InputValueError
 from .engine import HierarchicalEngine, HierarchicalMode
 
@@ -201,8 +202,7 @@ class HierarchicalSGD(HierarchicalMode):
         not to (``skip_synchronize()``); under ``GradScaler.step()`` unscale what was not, and
         step only on finite averages; then the inner step."""
         if self._overlap is not None and self._under_scaler:
-            for name in ("found_inf", "grad_scale"):  # GradScaler removes them only after a step
-                self.__dict__.pop(name, None)
+            leave_grad_scaler(self)  # GradScaler removes its attributes only after a step
             raise InputValueError("with overlap=True backward averages the gradients before "
                                   "GradScaler.step() tells their loss scale; use a GradScaler with "
                                   "overlap=False")

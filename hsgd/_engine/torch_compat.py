@@ -1,0 +1,118 @@
+"""The torch internals hsgd relies on, all in this module; the rest of hsgd uses torch's public API.
+
+Checked against torch 2.13.0 (the pinned version, run here) and 2.3.1 (the
+oldest the project tests; these are the names hsgd already used with it,
+moved here unchanged). A torch release that renames one breaks this module
+only.
+
+- Optimizer hooks. A mode is a ``torch.optim.Optimizer`` whose groups, state
+  and defaults are the inner optimizer's (:mod:`hsgd._engine.optimizer`), so
+  it cannot run ``Optimizer.__init__``, which would copy the groups. torch has
+  no public way to give such a subclass the hook tables that
+  ``register_step_pre_hook`` and the other ``register_*_hook`` methods fill:
+  :func:`init_optimizer_hooks` makes them as ``__init__`` does, and wraps
+  ``step()`` to run the step hooks (``_patch_step_function``, once per class).
+  :func:`state_dict_with_hooks` and :func:`load_state_dict_with_hooks` run the
+  registered state-dict hooks around the inner optimizer's state dict, as
+  torch's own ``state_dict`` and ``load_state_dict`` run them.
+- ``torch.amp.GradScaler``'s handshake with an optimizer that unscales in its
+  own ``step()``: the class attribute ``_step_supports_amp_scaling``
+  (:class:`GradScalerStep`); ``GradScaler.step()`` then calls ``step()``
+  whatever the gradients hold, with ``grad_scale`` and ``found_inf`` set on
+  the optimizer for the call (:func:`grad_scaler_scale`,
+  :func:`under_grad_scaler`, :func:`leave_grad_scaler`).
+- Autograd: a tensor's version counter (``Tensor._version``, :func:`version`),
+  which counts in-place writes, and a callback at the end of the running
+  backward pass (the engine's ``queue_callback``, as DDP's reducer uses it:
+  :func:`queue_end_of_backward`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, ClassVar, Dict, Optional
+
+import torch
+
+__all__ = ["init_optimizer_hooks", "state_dict_with_hooks", "load_state_dict_with_hooks", "GradScalerStep",
+           "grad_scaler_scale", "under_grad_scaler", "leave_grad_scaler", "version", "queue_end_of_backward"]
+
+# The hook tables of torch.optim.Optimizer.__init__, filled by its register_*_hook methods.
+_HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+# --- optimizer hooks -------------------------------------------------------------------------
+def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """What ``torch.optim.Optimizer.__init__`` sets up for hooks, for a subclass that does not
+    call it: empty hook tables, and ``step()`` runs the step pre- and post-hooks."""
+    for name in _HOOK_TABLES:
+        setattr(optimizer, name, OrderedDict())
+    optimizer._patch_step_function()
+
+
+def state_dict_with_hooks(optimizer: torch.optim.Optimizer,
+                          make: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+    """``make()``, the state dict, between the state-dict hooks registered on ``optimizer``:
+    each pre-hook is called with the optimizer, each post-hook with the optimizer and the
+    state, and a post-hook's result, unless ``None``, replaces the state."""
+    for hook in optimizer._optimizer_state_dict_pre_hooks.values():
+        hook(optimizer)
+    state = make()
+    for post_hook in optimizer._optimizer_state_dict_post_hooks.values():
+        result = post_hook(optimizer, state)
+        state = state if result is None else result
+    return state
+
+
+def load_state_dict_with_hooks(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any],
+                               load: Callable[[Dict[str, Any]], None]) -> None:
+    """``load(state_dict)`` between the load-state-dict hooks registered on ``optimizer``: a
+    pre-hook's result, unless ``None``, replaces the state dict; each post-hook is called with
+    the optimizer."""
+    for pre_hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        result = pre_hook(optimizer, state_dict)
+        state_dict = state_dict if result is None else result
+    load(state_dict)
+    for hook in optimizer._optimizer_load_state_dict_post_hooks.values():
+        hook(optimizer)
+
+
+# --- GradScaler's handshake ------------------------------------------------------------------
+class GradScalerStep:
+    """Mixin for an optimizer whose ``step()`` unscales the gradients itself: under
+    ``GradScaler.step()`` it is always called, with the loss scale and the found-inf flag set
+    on the optimizer for that call, and the scaler neither unscales nor skips it."""
+
+    _step_supports_amp_scaling: ClassVar[bool] = True
+
+
+def grad_scaler_scale(optimizer: torch.optim.Optimizer) -> Optional[float]:
+    """The loss scale that ``GradScaler.step()`` set on ``optimizer`` for this step, or ``None``
+    (not under ``GradScaler.step()``, or ``unscale_`` ran already)."""
+    scale = getattr(optimizer, "grad_scale", None)
+    return None if scale is None else float(scale)
+
+
+def under_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``GradScaler.step()`` drives ``optimizer``'s running ``step()``."""
+    return "found_inf" in vars(optimizer)
+
+
+def leave_grad_scaler(optimizer: torch.optim.Optimizer) -> None:
+    """Remove what ``GradScaler.step()`` set on ``optimizer``, for a ``step()`` that raises
+    (the scaler removes it only after a step that returned)."""
+    for name in ("found_inf", "grad_scale"):
+        vars(optimizer).pop(name, None)
+
+
+# --- autograd --------------------------------------------------------------------------------
+def version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter, which every in-place write to it increments."""
+    return tensor._version
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Call ``callback`` when the running backward pass has finished (from inside one: a hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
