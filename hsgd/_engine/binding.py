@@ -93,14 +93,13 @@ class SlotBinding:
     (another tensor over the same memory), or by assigning a new tensor. Each view is
     its own tensor with its own version counter, so an in-place write shows as a changed
     version counter and an assignment as another data pointer (:meth:`gather`).
+
+    With ``zero_copy=False`` CPU tensors are staged too, as tensors on any other device
+    always are (the GPU path, run on the CPU).
     """
 
-    #: Device types whose tensors become views into the slot; any other is staged. The tests
-    #: empty it to run the staged path (what CUDA tensors take) on the CPU.
-    zero_copy_devices = ("cpu",)
-
     def __init__(self, averager, params: Sequence[torch.nn.Parameter], what: str,
-                 flags: bool = False):
+                 flags: bool = False, zero_copy: bool = True):
         if what not in ("grad", "data"):
             raise ValueError(f"Invalid binding target: {what!r}")
         self.what = what
@@ -109,7 +108,7 @@ class SlotBinding:
         places = averager.layout.places
         self.views: List[torch.Tensor] = slot_views(averager, self.params)
         self._versions = [version(view) for view in self.views]
-        self.zero_copy = [p.device.type in self.zero_copy_devices for p in self.params]
+        self.zero_copy = [zero_copy and p.device.type == "cpu" for p in self.params]
         self.flags = None
         if flags:
             seg, off = places[len(self.params)]

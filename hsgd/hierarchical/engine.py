@@ -23,7 +23,7 @@ import torch
 
 from .._core.agree import collective_error
 from .._core.forward import forwarded
-from .._core.settings import Choice, setting
+from .._core.settings import Boolean, Choice, setting
 from .._core.traffic import Traffic
 from .._engine.binding import SlotBinding
 from .._engine.mode import SyncMode
@@ -62,13 +62,13 @@ class HierarchicalEngine(Engine):
     """
 
     def __init__(self, topology: Topology, params: List[torch.nn.Parameter], bind: str, inter_node: str,
-                 compression: Optional[str]) -> None:
+                 compression: Optional[str], zero_copy: bool = True) -> None:
         self.averager = HierarchicalAverager(topology, _layout(params, bind), inter_node, compression)
         self.overlap: Optional[BackwardOverlap] = None
         self.outer: Optional[OuterLoop] = None
         self._args = (topology, params, compression)
         try:
-            self.binding = SlotBinding(self.averager, params, bind, flags=bind == "grad")
+            self.binding = SlotBinding(self.averager, params, bind, flags=bind == "grad", zero_copy=zero_copy)
         except BaseException:
             self.averager.close()
             raise
@@ -120,7 +120,7 @@ class HierarchicalEngine(Engine):
 
 
 class HierarchicalMode(SyncMode):
-    """The base of the hierarchical modes: ``inter_node`` and ``compression`` (its
+    """The base of the hierarchical modes: ``inter_node``, ``compression`` and ``zero_copy`` (its
     :attr:`Settings`, which each hierarchical mode's extend) besides the mode's own settings
     (see :class:`~hsgd._engine.mode.SyncMode` for the other arguments)."""
 
@@ -133,6 +133,11 @@ class HierarchicalMode(SyncMode):
         compression: Compression = setting(
             "none", "none | fp16 | bf16: the inter-node sums cross nodes in 16 bits, halving inter-node bytes; "
                     "nothing changes inside a node", Choice(COMPRESSIONS, also=(None,)))
+        zero_copy: bool = setting(
+            True, "bind CPU gradients (or parameters) as views into this rank's slot of the shared window; "
+                  "False stages them, copied into the slot before an average and out of it after, as tensors "
+                  "on a GPU always are: the GPU path, run on the CPU (the same results, a copy each way)",
+            Boolean(), flag=None)
 
     settings: Settings
     bind: ClassVar[str] = "grad"
@@ -141,7 +146,7 @@ class HierarchicalMode(SyncMode):
     def _make_engine(self, params: List[torch.nn.Parameter]) -> HierarchicalEngine:
         compression = self.settings.compression
         return HierarchicalEngine(self.topology, params, self.bind, self.settings.inter_node,
-                                  None if compression == "none" else compression)
+                                  None if compression == "none" else compression, self.settings.zero_copy)
 
     @property
     def averager(self) -> HierarchicalAverager:

@@ -18,7 +18,6 @@ import pytest
 from mpi4py import MPI
 
 from hsgd._core.leftovers import unlink_mpi_files
-from hsgd._engine.binding import SlotBinding
 
 _outcomes = {}  # test id -> "passed" / "skipped", on this rank
 
@@ -48,11 +47,10 @@ def comm():
 
 
 @pytest.fixture(params=["zero_copy", "staged"])
-def binding(request, monkeypatch):
+def binding(request):
     """Both ways gradients (or parameters) meet the shared slot: as views into it (CPU
-    tensors) and staged, copied in and out (CUDA tensors; forced here on the CPU)."""
-    if request.param == "staged":
-        monkeypatch.setattr(SlotBinding, "zero_copy_devices", ())
+    tensors) and staged, copied in and out (CUDA tensors; on the CPU with the mode's
+    ``zero_copy=False``). A test passes ``zero_copy=binding == "zero_copy"`` to the mode."""
     return request.param
 
 

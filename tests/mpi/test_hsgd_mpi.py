@@ -43,7 +43,7 @@ def test_equals_single_process_any_layout(comm, rpn, binding):
     model = mlp()
     make_opt = OPTIMIZERS["momentum_wd"]
     topo = Topology.from_comm(comm, ranks_per_node=rpn)
-    opt = HierarchicalSGD(make_opt(model.parameters()), model, topology=topo)
+    opt = HierarchicalSGD(make_opt(model.parameters()), model, topology=topo, zero_copy=binding == "zero_copy")
 
     def step(_):
         opt.step()
@@ -58,7 +58,7 @@ def test_equals_single_process_any_layout(comm, rpn, binding):
 def test_clip_between_synchronize_and_step(comm, binding):
     model = mlp()
     make_opt = OPTIMIZERS["sgd"]
-    opt = HierarchicalSGD(make_opt(model.parameters()), model)
+    opt = HierarchicalSGD(make_opt(model.parameters()), model, zero_copy=binding == "zero_copy")
 
     def step(_):
         opt.synchronize()
@@ -77,7 +77,8 @@ def test_accumulation_over_micro_batches(comm, binding):
     half = xs.shape[0] // 2
     model = mlp()
     make_opt = OPTIMIZERS["momentum_wd"]
-    opt = HierarchicalSGD(make_opt(model.parameters()), model, backward_passes_per_step=2)
+    opt = HierarchicalSGD(make_opt(model.parameters()), model, backward_passes_per_step=2,
+                          zero_copy=binding == "zero_copy")
     for _ in range(STEPS):
         opt.zero_grad()
         for part in (slice(0, half), slice(half, None)):
@@ -91,7 +92,7 @@ def test_accumulation_over_micro_batches(comm, binding):
 def test_unused_branch_counts_as_zero(comm, binding):
     model = Branchy()
     x = torch.ones(2, 4, dtype=torch.float64)
-    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.0), model)
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.0), model, zero_copy=binding == "zero_copy")
     for _ in range(2):
         opt.zero_grad(set_to_none=True)
         model(x, use_branch=comm.rank == 0).backward()
@@ -133,7 +134,7 @@ def test_zero_grad_sets_none_and_backward_fills_the_slot_without_a_copy(comm, bi
     p.grad is a view of it (zero-copy) or private (staged); a second backward accumulates."""
     x, y = fixed_batch()
     model = mlp()
-    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, zero_copy=binding == "zero_copy")
     bound = opt.engine.binding
     want = mlp()
     torch.nn.functional.cross_entropy(want(x), y).backward()
@@ -178,7 +179,7 @@ def test_model_replaced_grads_are_picked_up(comm, binding):
     """A user zeroing through the model (set_to_none) must not lose gradients."""
     model = mlp()
     make_opt = OPTIMIZERS["sgd"]
-    opt = HierarchicalSGD(make_opt(model.parameters()), model)
+    opt = HierarchicalSGD(make_opt(model.parameters()), model, zero_copy=binding == "zero_copy")
     train_shards(model, opt, comm, zero_grad=lambda _: model.zero_grad(set_to_none=True))
     check_binding(opt, binding)
     assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
@@ -299,7 +300,7 @@ def test_parameter_no_rank_used_is_left_alone(comm, binding):
     x = torch.ones(2, 4, dtype=torch.float64)
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
     before = model.branch.weight.detach().clone()
-    opt = HierarchicalSGD(inner, model)
+    opt = HierarchicalSGD(inner, model, zero_copy=binding == "zero_copy")
     for _ in range(3):
         opt.zero_grad()
         model(x, use_branch=False).backward()
@@ -370,7 +371,8 @@ def test_local_sgd_equals_a_one_process_simulation(comm, inter_node, binding):
     model = mlp(seed=comm.rank)  # different init: the broadcast must fix it
     make_opt = OPTIMIZERS["momentum_wd"]  # momentum stays each rank's own
     opt = HierarchicalLocalSGD(make_opt(model.parameters()), model, topology=topo, inter_node=inter_node,
-                               intra_period=2, inter_period=2)  # global on 0 and 4, node on 2 and 6
+                               intra_period=2, inter_period=2,  # global on 0 and 4, node on 2 and 6
+                               zero_copy=binding == "zero_copy")
     check_strategy(opt, topo, inter_node)
     x, y = fixed_batch()
     for _ in range(7):

@@ -62,9 +62,9 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("cap", [TINY, 25.0])
 def test_overlap_equals_single_process_and_no_overlap(comm, layout, cap, binding):
-    on, opt_on = train(comm, True, bucket_cap_mb=cap, **layout)
+    on, opt_on = train(comm, True, bucket_cap_mb=cap, zero_copy=binding == "zero_copy", **layout)
     assert len(opt_on.engine.overlap.buckets) == (5 if cap == TINY else 2)  # 4 tensors (+ the used-flags)
-    off, opt_off = train(comm, False, **layout)
+    off, opt_off = train(comm, False, zero_copy=binding == "zero_copy", **layout)
     assert_params_close(on, reference(torch.float64, OPTIMIZERS["momentum_wd"], STEPS), torch.float64)
     assert_same(on, off)  # the same summation order, bit for bit (MPI's is the same at these sizes)
     check_binding(opt_on, binding)
@@ -73,7 +73,8 @@ def test_overlap_equals_single_process_and_no_overlap(comm, layout, cap, binding
 
 
 def test_clip_between_synchronize_and_step(comm, layout, binding):
-    model, opt = train(comm, True, make_opt=OPTIMIZERS["sgd"], clip=0.05, bucket_cap_mb=TINY, **layout)
+    model, opt = train(comm, True, make_opt=OPTIMIZERS["sgd"], clip=0.05, bucket_cap_mb=TINY,
+                       zero_copy=binding == "zero_copy", **layout)
     assert_params_close(model, reference(torch.float64, OPTIMIZERS["sgd"], STEPS, clip=0.05), torch.float64)
     check_binding(opt, binding)
     opt.close()
@@ -111,13 +112,13 @@ def test_backward_returns_with_the_average_as_with_ddp(comm, layout):
 @pytest.mark.parametrize("how", ["backward_passes_per_step", "no_sync"])
 def test_accumulation_over_micro_batches(comm, layout, how, binding):
     if how == "backward_passes_per_step":
-        model, opt = train(comm, True, micro=2, bucket_cap_mb=TINY, **layout)
+        model, opt = train(comm, True, micro=2, bucket_cap_mb=TINY, zero_copy=binding == "zero_copy", **layout)
     else:  # DDP's way: the first pass inside no_sync(), the last one averages
         x, y = fixed_batch()
         xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
         model = mlp()
         opt = HierarchicalSGD(OPTIMIZERS["momentum_wd"](model.parameters()), model, overlap=True,
-                              bucket_cap_mb=TINY, **layout)
+                              bucket_cap_mb=TINY, zero_copy=binding == "zero_copy", **layout)
         half = xs.shape[0] // 2
         for _ in range(STEPS):
             opt.zero_grad()
@@ -136,7 +137,7 @@ def test_unused_parameters(comm, layout, binding):
     model.spare = torch.nn.Linear(2, 2).double()  # never used
     x = torch.ones(2, 4, dtype=torch.float64)
     opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.0), model, overlap=True,
-                          bucket_cap_mb=TINY, **layout)
+                          bucket_cap_mb=TINY, zero_copy=binding == "zero_copy", **layout)
     for _ in range(2):
         opt.zero_grad()
         model(x, use_branch=comm.rank == 0).backward()
