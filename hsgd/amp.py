@@ -20,7 +20,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,24 +32,11 @@ __all__ = ["probe_autocast", "check_autocast", "ISA_CAP", "PROBE_TIMEOUT_S"]
 # environment it is read before any kernel runs.
 ISA_CAP = "AVX512_CORE_BF16"  # an ISA below AMX, with bf16 instructions (AVX512_BF16)
 PROBE_TIMEOUT_S = 120.0
-# Test hook, set only by tests: the child fails as on such a machine instead of running the
-# check: "sigill" (it kills itself with SIGILL), "primitive" (RuntimeError: could not create a
-# primitive) or "hang" (it sleeps past the timeout); with ":uncapped" ("sigill:uncapped") only
-# while ONEDNN_MAX_CPU_ISA is unset, as on the machine of the report.
-FAULT_HOOK = "HSGD_AMP_PROBE_FAULT"
 _UNSUPPORTED = 3  # the child's exit status when torch ran the layer without autocasting
 
-# The child: the simulated fault (test hook) first, before torch is imported; then the check.
+# The child: python -c _CHILD DEVICE DTYPE.
 _CHILD = r"""
-import os, signal, sys, time
-kind, _, when = os.environ.get("HSGD_AMP_PROBE_FAULT", "").partition(":")
-if kind and not (when == "uncapped" and os.environ.get("ONEDNN_MAX_CPU_ISA")):
-    if kind == "sigill":
-        signal.raise_signal(signal.SIGILL)
-    if kind == "primitive":
-        raise RuntimeError("could not create a primitive")
-    if kind == "hang":
-        time.sleep(3600)
+import sys
 import torch
 torch.set_num_threads(1)
 device, dtype = sys.argv[1], getattr(torch, sys.argv[2])
@@ -71,32 +58,37 @@ _SIGNALS = {
                    "machine does not enable",
 }
 
-# (device type, dtype, ONEDNN_MAX_CPU_ISA, test hook) -> (what went wrong, or None; whether
-# the check passes under ISA_CAP: True, False, or None when not tried)
-_RESULTS: Dict[Tuple[str, str, Optional[str], Optional[str]], Tuple[Optional[str], Optional[bool]]] = {}
+# (device type, dtype, ONEDNN_MAX_CPU_ISA, the child's Python) -> (what went wrong, or None;
+# whether the check passes under ISA_CAP: True, False, or None when not tried)
+_RESULTS: Dict[Tuple[str, str, Optional[str], Tuple[str, ...]], Tuple[Optional[str], Optional[bool]]] = {}
 
 
 def probe_autocast(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16, *,
-                   off: str = "leave mixed precision off", timeout: float = PROBE_TIMEOUT_S) -> Optional[str]:
+                   off: str = "leave mixed precision off", timeout: float = PROBE_TIMEOUT_S,
+                   python: Optional[Sequence[str]] = None) -> Optional[str]:
     """Whether a forward and backward under ``torch.autocast(device_type, dtype)`` works here,
     tried in a child process so that a crash cannot take this one down.
 
-    The child (``sys.executable``, with a timeout) runs a small ``torch.nn.Linear`` and
+    The child (``sys.executable`` or ``python``, with a timeout) runs a small ``torch.nn.Linear`` and
     ``Conv1d`` forward and backward under autocast. If it failed, a second child runs the
     same check with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` to see whether the cap helps.
 
     Returns ``None`` if it works (and for any device but ``"cpu"``: nothing to probe), else one
     line: what failed (the signal, the error's last line, or the timeout) and the fix, either
     ``export ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` (when a second child with it set passed) or
-    ``off``, the caller's words for running without mixed precision. Cached per process (per
-    device type, dtype and ``ONEDNN_MAX_CPU_ISA``). Not collective: see :func:`check_autocast`.
+    ``off``, the caller's words for running without mixed precision. ``python``: the command
+    line that starts the Python to try it in (default ``[sys.executable]``, this one's; e.g. a
+    wrapper that runs it on another machine), to which ``-c CODE DEVICE DTYPE`` is appended.
+    Cached per process (per device type, dtype, ``ONEDNN_MAX_CPU_ISA`` and ``python``). Not
+    collective: see :func:`check_autocast`.
     """
     if device_type != "cpu":
         return None
+    command = [sys.executable] if python is None else list(python)
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
-    key = (device_type, _dtype_name(dtype), cap, os.environ.get(FAULT_HOOK))
+    key = (device_type, _dtype_name(dtype), cap, tuple(command))
     if key not in _RESULTS:
-        _RESULTS[key] = _diagnose(device_type, dtype, cap, timeout)
+        _RESULTS[key] = _diagnose(command, device_type, dtype, cap, timeout)
     problem, capped_works = _RESULTS[key]
     if problem is None:
         return None
@@ -109,7 +101,8 @@ def probe_autocast(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16
 
 
 def check_autocast(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16, comm=None, *,
-                   off: str = "leave mixed precision off", timeout: float = PROBE_TIMEOUT_S) -> Optional[str]:
+                   off: str = "leave mixed precision off", timeout: float = PROBE_TIMEOUT_S,
+                   python: Optional[Sequence[str]] = None) -> Optional[str]:
     """:func:`probe_autocast` for an MPI job: the lowest rank of each host probes, and every rank
     of ``comm`` (default the world) gets the same answer, the first failing host's (named when
     the job spans several hosts). Collective."""
@@ -120,7 +113,8 @@ def check_autocast(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16
     comm = MPI.COMM_WORLD if comm is None else comm
     host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
-        mine = probe_autocast(device_type, dtype, off=off, timeout=timeout) if host.Get_rank() == 0 else None
+        mine = probe_autocast(device_type, dtype, off=off, timeout=timeout, python=python) \
+            if host.Get_rank() == 0 else None
     finally:
         host.Free()
     return _first_problem(comm.allgather((MPI.Get_processor_name(), mine)))
@@ -140,11 +134,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _diagnose(device_type: str, dtype: torch.dtype, cap: Optional[str],
+def _diagnose(command: List[str], device_type: str, dtype: torch.dtype, cap: Optional[str],
               timeout: float) -> Tuple[Optional[str], Optional[bool]]:
     """What went wrong in the child (``None``: nothing) and whether the check passes with
     ``ONEDNN_MAX_CPU_ISA`` capped below AMX (``None``: not tried)."""
-    failure, unsupported = _run_child(device_type, dtype, timeout)
+    failure, unsupported = _run_child(command, device_type, dtype, timeout)
     if failure is None:
         return None, None
     if unsupported:  # torch does not autocast to this dtype here at all: no ISA cap helps
@@ -154,21 +148,21 @@ def _diagnose(device_type: str, dtype: torch.dtype, cap: Optional[str],
         problem = f"{problem} (with ONEDNN_MAX_CPU_ISA={cap})"
     if cap == ISA_CAP:
         return problem, None
-    capped, _ = _run_child(device_type, dtype, timeout, env={**os.environ, "ONEDNN_MAX_CPU_ISA": ISA_CAP})
+    capped, _ = _run_child(command, device_type, dtype, timeout, env={**os.environ, "ONEDNN_MAX_CPU_ISA": ISA_CAP})
     return problem, capped is None
 
 
-def _run_child(device_type: str, dtype: torch.dtype, timeout: float,
+def _run_child(command: List[str], device_type: str, dtype: torch.dtype, timeout: float,
                env: Optional[Dict[str, str]] = None) -> Tuple[Optional[str], bool]:
     """Run the check in a child process: (what went wrong, or ``None``; whether torch merely
     does not autocast to ``dtype`` here)."""
     try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, device_type, _dtype_name(dtype)],
+        proc = subprocess.run([*command, "-c", _CHILD, device_type, _dtype_name(dtype)],
                               env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"did not finish in {timeout:g} s in a test process (a hung kernel?)", False
     except OSError as exc:
-        return f"could not be tried: starting {sys.executable} failed ({exc})", False
+        return f"could not be tried: starting {' '.join(command)} failed ({exc})", False
     if proc.returncode == 0:
         return None, False
     if proc.returncode < 0:

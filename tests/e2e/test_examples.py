@@ -1,5 +1,6 @@
 """examples/: the Horovod-shaped scripts run end to end at tiny sizes, on 2 ranks."""
 
+import os
 import re
 
 import pytest
@@ -22,6 +23,13 @@ def run_mnist1d(cache, *extra, env=None):
                    env={"HSGD_RANKS_PER_NODE": "1", **(env or {})}, timeout=300)
 
 
+def sigill_probe_env():
+    """A job's environment in which the autocast probe's child dies of SIGILL, as on a CPU that
+    advertises AMX its hypervisor does not enable (tests/amp_faults/sitecustomize.py on PYTHONPATH)."""
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "amp_faults"),
+                                           *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 @pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "mixed-precision"])
 def test_mnist1d_example_trains_and_averages_its_test_metrics(cache, mixed):
     if mixed:  # bf16 autocast depends on the CPU: tried in a child process, where it may crash
@@ -38,8 +46,9 @@ def test_mnist1d_example_trains_and_averages_its_test_metrics(cache, mixed):
 
 def test_mnist1d_example_whose_bf16_probe_fails_exits_2_with_one_error(cache):
     """As on a CPU that advertises AMX its hypervisor does not enable (simulated through the
-    probe's test hook, whatever ONEDNN_MAX_CPU_ISA is): one line with the fix, status 2, no training."""
-    proc = run_mnist1d(cache, "--use-mixed-precision", env={"HSGD_AMP_PROBE_FAULT": "sigill"})
+    probe's child dying of SIGILL in the job, whatever ONEDNN_MAX_CPU_ISA is): one line with the
+    fix, status 2, no training."""
+    proc = run_mnist1d(cache, "--use-mixed-precision", env=sigill_probe_env())
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert errors[0].startswith("pytorch_mnist1d.py: error: --use-mixed-precision: bfloat16 autocast on the "

@@ -33,6 +33,13 @@ def train(nprocs, args, cache, timeout=300, module=("-m", "hsgd.train"), env=Non
     return run_mpi(nprocs, [*module, "--cache-dir", cache, *args], timeout=timeout, env=env)
 
 
+def sigill_probe_env():
+    """A job's environment in which the autocast probe's child dies of SIGILL, as on a CPU that
+    advertises AMX its hypervisor does not enable (tests/amp_faults/sitecustomize.py on PYTHONPATH)."""
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "amp_faults"),
+                                           *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def records(run_dir, event):
     """Complete records of ``event`` (a line still being written is skipped)."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().split("\n")[:-1]
@@ -473,10 +480,10 @@ def test_amp_fp16_scales_the_loss_and_resumes_with_the_saved_scale(tmp_path, cac
 
 def test_amp_whose_probe_fails_ends_the_job_with_one_error(tmp_path, cache):
     """As on a CPU that advertises AMX its hypervisor does not enable: the probe's child dies of
-    SIGILL (simulated through the test hook, also under ONEDNN_MAX_CPU_ISA, so that the test holds
-    where that is set)."""
+    SIGILL (simulated by a sitecustomize on the job's PYTHONPATH, also under ONEDNN_MAX_CPU_ISA,
+    so that the test holds where that is set)."""
     proc = train(2, [*SMALL, "--amp", "bf16", "--run-dir", str(tmp_path / "run")], cache, timeout=120,
-                 env={"HSGD_AMP_PROBE_FAULT": "sigill"})
+                 env=sigill_probe_env())
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert errors[0].startswith("python -m hsgd.train: error: --amp bf16: bfloat16 autocast on the CPU killed "

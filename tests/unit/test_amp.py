@@ -1,8 +1,8 @@
 """hsgd.amp: autocast tried in a child process; a crash is told in one line with its fix.
 
 The crashes of the report (SIGILL, "could not create a primitive") cannot happen on a
-machine whose CPU works: the child simulates them through the test hook
-``HSGD_AMP_PROBE_FAULT``. No MPI here.
+machine whose CPU works: the probe runs its child in a Python that simulates them
+(``python=``, tests/amp_faults/faulty_python.py). No MPI here.
 """
 
 import os
@@ -10,19 +10,27 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from hsgd import amp
 
+FAULTY_PYTHON = Path(__file__).resolve().parents[1] / "amp_faults" / "faulty_python.py"
+
 FIX = "export ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 before starting the job, or use --amp none"
+
+
+def faulty(kind):
+    """``python=`` for a child that fails as ``kind`` says (sigill, primitive or hang; with
+    ``:uncapped`` only while ONEDNN_MAX_CPU_ISA is unset): tests/amp_faults/faulty_python.py."""
+    return [sys.executable, str(FAULTY_PYTHON), kind]
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    """No hook, no ISA cap and no cached answer unless a test sets them."""
-    monkeypatch.delenv(amp.FAULT_HOOK, raising=False)
+    """No ISA cap and no cached answer unless a test sets them."""
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     amp._RESULTS.clear()
     yield
@@ -62,43 +70,38 @@ def test_sigill_names_the_signal_and_the_variable_that_fixes_it(monkeypatch, chi
     why = capped_check_fails()
     if why:
         pytest.skip(f"bf16 autocast fails here even with ONEDNN_MAX_CPU_ISA={amp.ISA_CAP}: {why}")
-    monkeypatch.setenv(amp.FAULT_HOOK, "sigill:uncapped")
-    problem = probe()
+    problem = probe(python=faulty("sigill:uncapped"))
     assert problem == ("bfloat16 autocast on the CPU killed a test process with SIGILL (illegal instruction: "
                        "the CPU advertises an instruction set (AMX?) that this machine does not enable); "
                        f"with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 it works: {FIX}")
     assert [cap for _, cap in children] == [None, amp.ISA_CAP]  # the fix was tried before it is offered
 
 
-def test_a_crash_the_variable_does_not_fix_says_to_leave_mixed_precision_off(monkeypatch, children):
-    monkeypatch.setenv(amp.FAULT_HOOK, "sigill")
-    problem = probe()
+def test_a_crash_the_variable_does_not_fix_says_to_leave_mixed_precision_off(children):
+    problem = probe(python=faulty("sigill"))
     assert problem.startswith("bfloat16 autocast on the CPU killed a test process with SIGILL (illegal "
                               "instruction: the CPU advertises an instruction set (AMX?)"), problem
     assert problem.endswith(", and with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 too: use --amp none"), problem
     assert "export" not in problem and len(children) == 2
 
 
-def test_could_not_create_a_primitive_is_quoted(monkeypatch):
-    monkeypatch.setenv(amp.FAULT_HOOK, "primitive")
-    problem = probe(torch.float16)
+def test_could_not_create_a_primitive_is_quoted():
+    problem = probe(torch.float16, python=faulty("primitive"))
     assert problem == ("float16 autocast on the CPU failed in a test process: RuntimeError: could not create "
                        "a primitive, and with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 too: use --amp none")
 
 
 def test_with_the_variable_already_set_nothing_more_is_tried(monkeypatch, children):
-    monkeypatch.setenv(amp.FAULT_HOOK, "primitive")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", amp.ISA_CAP)
-    problem = probe()
+    problem = probe(python=faulty("primitive"))
     assert problem == ("bfloat16 autocast on the CPU failed in a test process: RuntimeError: could not create "
                        "a primitive (with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16): use --amp none")
     assert len(children) == 1
 
 
-def test_a_hang_is_cut_by_the_timeout(monkeypatch):
-    monkeypatch.setenv(amp.FAULT_HOOK, "hang")
+def test_a_hang_is_cut_by_the_timeout():
     start = time.monotonic()
-    problem = probe(timeout=1.5)
+    problem = probe(timeout=1.5, python=faulty("hang"))
     assert problem.startswith("bfloat16 autocast on the CPU did not finish in 1.5 s in a test process"), problem
     assert time.monotonic() - start < 30  # two children, each killed at its timeout
 
@@ -122,15 +125,15 @@ def test_a_dtype_torch_does_not_autocast_to_is_named(children):
     assert len(children) == 1  # no ISA cap makes torch autocast to it
 
 
-def test_the_answer_is_cached_per_process(monkeypatch, children):
-    monkeypatch.setenv(amp.FAULT_HOOK, "primitive")
-    first = probe()
+def test_the_answer_is_cached_per_process(children):
+    primitive = faulty("primitive")
+    first = probe(python=primitive)
     assert len(children) == 2
-    assert probe() == first and len(children) == 2  # no child started again
-    assert amp.probe_autocast("cpu", torch.bfloat16, off="drop --use-mixed-precision").endswith(
+    assert probe(python=primitive) == first and len(children) == 2  # no child started again
+    assert amp.probe_autocast("cpu", torch.bfloat16, off="drop --use-mixed-precision", python=primitive).endswith(
         "too: drop --use-mixed-precision") and len(children) == 2
-    monkeypatch.setenv(amp.FAULT_HOOK, "sigill")  # another environment: asked again
-    assert "SIGILL" in probe() and len(children) == 4
+    # another Python: asked again
+    assert "SIGILL" in probe(python=faulty("sigill")) and len(children) == 4
 
 
 def test_other_devices_are_not_probed(children):
