@@ -18,7 +18,7 @@ one sample, hence one batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Tuple
 
 import numpy as np
 import torch
@@ -213,11 +213,6 @@ class EpochPlan:
         if self.num_windows == 0:
             return np.empty(0, dtype=np.int64)
         return np.concatenate([self.window_indices(w) for w in range(self.num_windows)])
-
-    def batch_indices(self) -> List[np.ndarray]:
-        """:meth:`indices` cut into batches (the last one may be short only with ``pad=False``)."""
-        order = self.indices()
-        return [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
 
     def locate(self, batch: int) -> Tuple[int, int]:
         """``(window, skip)``: batch ``batch`` starts ``skip`` samples into ``window``."""

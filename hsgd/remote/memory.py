@@ -328,11 +328,6 @@ class RemoteMemory(Closable):
         self._check_open()
         return self._direct.get(owner)
 
-    @property
-    def direct_owners(self) -> List[int]:
-        """The owners this rank reaches by load and store (its node's, where the MPI allows)."""
-        return sorted(self._direct)
-
     def close(self) -> None:
         """Free the region. Collective; every operation completed on return. Idempotent."""
         if not self._closed:

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from _plans import batch_indices
 
 from hsgd import InputValueError
 from hsgd._io.plan import plan_epoch, rank_range
@@ -16,7 +17,7 @@ def test_shares_tile_the_stream_with_equal_batch_counts(drop_last):
     assert [start for start, _ in ranges] == [0, batches * 5, batches * 6]
     plans = [plan_epoch(n, 3, r, 3, block_size=64, drop_last=drop_last, shares=shares) for r in range(3)]
     assert [p.num_batches for p in plans] == [batches] * 3
-    assert [len(p.batch_indices()[0]) for p in plans] == shares
+    assert [len(batch_indices(p)[0]) for p in plans] == shares
     every = np.concatenate([p.indices() for p in plans])
     assert len(every) == batches * 9
     if drop_last:

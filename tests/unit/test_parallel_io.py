@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from _plans import batch_indices
 
 from hsgd import InputError
 from hsgd._io import h5source as _h5source
@@ -82,7 +83,7 @@ def test_plan_permutation_and_equal_counts(world, n, batch, block, drop_last):
             assert np.array_equal(np.unique(seen), np.arange(n))
             assert 0 <= len(seen) - n < world * batch
         for p in plans:
-            assert all(len(b) == batch for b in p.batch_indices())
+            assert all(len(b) == batch for b in batch_indices(p))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
