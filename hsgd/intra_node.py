@@ -15,6 +15,7 @@ phases. A barrier alone does not make stores to shared memory visible on every M
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -110,8 +111,9 @@ class SharedSlots(Closable):
         self.layout = layout
         self.local_rank = node_comm.Get_rank()
         self.local_size = node_comm.Get_size()
-        self.win = MPI.Win.Allocate_shared(layout.nbytes, 1, comm=node_comm)
-        try:
+        with contextlib.ExitStack() as undo:  # if the constructor fails: free the window
+            self.win = MPI.Win.Allocate_shared(layout.nbytes, 1, comm=node_comm)
+            undo.callback(self.win.Free)
             self._slots = [self._map_slot(r) for r in range(self.local_size)]
             # One passive epoch for the window's life; fence() syncs inside it.
             self.win.Lock_all(MPI.MODE_NOCHECK)
@@ -119,9 +121,7 @@ class SharedSlots(Closable):
             # padding between tensors is averaged too, and must not hold NaN bit patterns.
             for view in self._slots[self.local_rank]:
                 view.zero_()
-        except BaseException:
-            self.win.Free()
-            raise
+            undo.pop_all()
         self._opened()
 
     def _map_slot(self, rank: int) -> List[torch.Tensor]:

@@ -145,22 +145,18 @@ class SyncMode(InnerOptimizer, GradScalerStep, Closable):
         self.topology = Topology.from_comm() if topology is None else topology
         self._shares = BatchShares(self.topology)
         self._own_stall = not isinstance(stall, StallInspector)
-        try:
-            check_all(self.topology.comm, _check_stall, stall, self.topology.comm)
-            self._setup(optimizer, (model, named_parameters), broadcast, (settings, kwargs))
-            try:
-                if isinstance(stall, StallInspector):
-                    self.stall = stall
-                else:
-                    own = stall or StallSettings()
-                    self.stall = StallInspector(self.topology.comm, own.timeout, own.abort, own.abort_after)
-            except BaseException:
-                self.engine.close()
-                raise
-        except BaseException:
+        with contextlib.ExitStack() as undo:  # if the constructor fails: free what it built, in reverse
             if self._own_topology:
-                self.topology.close()
-            raise
+                undo.callback(self.topology.close)
+            check_all(self.topology.comm, _check_stall, stall, self.topology.comm)
+            self._setup(optimizer, (model, named_parameters), broadcast, (settings, kwargs))  # the engine last
+            undo.callback(self.engine.close)
+            if isinstance(stall, StallInspector):
+                self.stall = stall
+            else:
+                own = stall or StallSettings()
+                self.stall = StallInspector(self.topology.comm, own.timeout, own.abort, own.abort_after)
+            undo.pop_all()
         self._opened()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -18,6 +18,7 @@ cycle; a parameter reached late holds back later buckets: overlap lost, not corr
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import time
@@ -72,20 +73,20 @@ class _Pipeline:
         self.stages = self._stages(averager, topo, scale)
         n = len(self.buckets)
         nbytes = slots.local_size * 3 * n * 8 if self.me == 0 else 0
-        self.win: Optional[MPI.Win] = MPI.Win.Allocate_shared(nbytes, 8, comm=slots.comm)
-        try:
-            buf, _ = self.win.Shared_query(0)
+        with contextlib.ExitStack() as undo:  # if the constructor fails: free the window
+            win = MPI.Win.Allocate_shared(nbytes, 8, comm=slots.comm)
+            self.win: Optional[MPI.Win] = win
+            undo.callback(win.Free)
+            buf, _ = win.Shared_query(0)
             self.board = np.frombuffer(buf, dtype=np.int64, count=slots.local_size * 3 * n)  # type: ignore[call-overload]  # numpy's stubs take no mpi4py buffer before Python 3.12
             self.board = self.board.reshape(slots.local_size, 3, n)
-            self.win.Lock_all(MPI.MODE_NOCHECK)
+            win.Lock_all(MPI.MODE_NOCHECK)
             if self.me == 0:
                 self.board[...] = 0  # MPI does not zero a window; round 0 is never current
-            self.win.Sync()
+            win.Sync()
             slots.comm.Barrier()
-            self.win.Sync()
-        except BaseException:
-            self.win.Free()
-            raise
+            win.Sync()
+            undo.pop_all()
         self.round = 1
         self._reset()
 

@@ -14,6 +14,7 @@ on the first and last rows when it is built, and falls back to h5py on any diffe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import List, Optional, Tuple
@@ -134,13 +135,12 @@ class H5Source:
         self.x_dtype = np.dtype(self.x.dtype).newbyteorder("=")
         self.sample_shape = tuple(self.x.shape[1:])
         self.label_shape = tuple(self.y.shape[1:])  # () for one label per sample
-        self._fd = os.open(file.filename, os.O_RDONLY) if direct else -1
-        try:
+        with contextlib.ExitStack() as undo:  # if the readers cannot be made: close the file
+            self._fd = os.open(file.filename, os.O_RDONLY) if direct else -1
+            undo.callback(self.close)
             self._x = _RowReader(self.x, self._fd, direct)
             self._y = _RowReader(self.y, self._fd, direct)
-        except BaseException:
-            self.close()
-            raise
+            undo.pop_all()
 
     @property
     def direct(self) -> bool:

@@ -10,6 +10,7 @@ each rank's share of the labels.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import h5py
@@ -88,8 +89,9 @@ def open_checked(loader, block_size, window_blocks):
     """
     _check_args(loader, block_size, window_blocks)
     check_file(loader.path)
-    file = h5py.File(loader.path, "r")
-    try:
+    with contextlib.ExitStack() as undo:  # a bad file is closed again
+        file = h5py.File(loader.path, "r")
+        undo.callback(file.close)
         _check_datasets(file, loader.path, loader.x_key, loader.y_key)
         try:
             rank_range(len(file[loader.y_key]), loader.world_size, loader.rank,
@@ -97,9 +99,7 @@ def open_checked(loader, block_size, window_blocks):
         except ValueError as exc:
             raise InputValueError(f"'{loader.path}' ('{loader.x_key}'): {exc}") from None
         source = H5Source(file, loader.x_key, loader.y_key, direct=loader.direct_reads)
-    except BaseException:
-        file.close()
-        raise
+        undo.pop_all()
     block_size = int(block_size or loader_block_size(source.x))
     sample_bytes = source.x.dtype.itemsize * math.prod(source.sample_shape)
     return source, block_size, int(window_blocks or

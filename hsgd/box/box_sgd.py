@@ -15,6 +15,7 @@ rank 0's parameters (after the usual broadcast). docs/box.md.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
@@ -44,13 +45,12 @@ class BoxEngine(Engine):
 
     def __init__(self, topology: Topology, params: List[torch.nn.Parameter], who: str) -> None:
         self.slot = FlatSlot(params, who)
-        self.binding = SlotBinding(self.slot, params, "data")  # copies the values in, binds views
-        self.local = self.slot.buffer  # W_x
-        try:
+        with contextlib.ExitStack() as undo:  # if the region cannot be built: unbind the parameters
+            self.binding = SlotBinding(self.slot, params, "data")  # copies the values in, binds views
+            undo.callback(self.binding.unbind)
+            self.local = self.slot.buffer  # W_x
             self.box = RemoteMemory(topology.comm, self.local.numel(), dtype=self.slot.dtype, topology=topology)
-        except BaseException:
-            self.binding.unbind()
-            raise
+            undo.pop_all()
         if topology.rank == 0:
             self.box.write(0, self.local)  # W_g starts as rank 0's parameters (everyone's, after broadcast)
         topology.comm.Barrier()

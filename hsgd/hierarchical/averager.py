@@ -11,6 +11,7 @@ node mean). :attr:`~HierarchicalAverager.on_phase` receives the time of every
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -48,12 +49,11 @@ class HierarchicalAverager(Closable):
     def __init__(self, topology, layout: Layout, inter_node: str = "leader", compression=None):
         self.topology = topology
         self.layout = layout
-        self.slots = SharedSlots(topology.node_comm, layout)
-        try:
+        with contextlib.ExitStack() as undo:  # if the constructor fails: free what it built
+            self.slots = SharedSlots(topology.node_comm, layout)
+            undo.callback(self.slots.close)
             self.inter = make_inter_node(inter_node, topology, compression)
-        except BaseException:
-            self.slots.close()
-            raise
+            undo.pop_all()
         # Optional callback(phase, start, end) with perf_counter times, e.g.
         # hsgd._trainer.metrics.PhaseClock.record for the trainer's time breakdown.
         self.on_phase = None

@@ -16,6 +16,7 @@ compression of its sums, settings of every hierarchical mode.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, List, Optional
 
@@ -63,15 +64,14 @@ class HierarchicalEngine(Engine):
 
     def __init__(self, topology: Topology, params: List[torch.nn.Parameter], bind: str, inter_node: str,
                  compression: Optional[str], zero_copy: bool = True) -> None:
-        self.averager = HierarchicalAverager(topology, _layout(params, bind), inter_node, compression)
-        self.overlap: Optional[BackwardOverlap] = None
-        self.outer: Optional[OuterLoop] = None
-        self._args = (topology, params, compression)
-        try:
+        with contextlib.ExitStack() as undo:  # if the constructor fails: free what it built
+            self.averager = HierarchicalAverager(topology, _layout(params, bind), inter_node, compression)
+            undo.callback(self.averager.close)
+            self.overlap: Optional[BackwardOverlap] = None
+            self.outer: Optional[OuterLoop] = None
+            self._args = (topology, params, compression)
             self.binding = SlotBinding(self.averager, params, bind, flags=bind == "grad", zero_copy=zero_copy)
-        except BaseException:
-            self.averager.close()
-            raise
+            undo.pop_all()
         self._opened()
 
     def start_overlap(self, **kwargs: Any) -> None:

@@ -17,6 +17,7 @@ averagings the ranks' models differ: evaluate and save their average
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
@@ -111,16 +112,14 @@ class HierarchicalLocalSGD(HierarchicalMode):
         return self.settings.outer_optimizer
 
     def _make_engine(self, params: List[torch.nn.Parameter]) -> HierarchicalEngine:
-        engine = super()._make_engine(params)
-        factory, settings = self._outer_factory(), self.settings
-        if factory is None:
-            return engine
-        try:
-            engine.start_outer(factory, settings.intra_period * settings.inter_period, settings.fragments,
-                               settings.fragment_sync_delay, float(settings.fragment_update_alpha))
-        except BaseException:
-            engine.close()
-            raise
+        with contextlib.ExitStack() as undo:  # if the outer step fails to start: free the engine
+            engine = super()._make_engine(params)
+            undo.callback(engine.close)
+            factory, settings = self._outer_factory(), self.settings
+            if factory is not None:
+                engine.start_outer(factory, settings.intra_period * settings.inter_period, settings.fragments,
+                                   settings.fragment_sync_delay, float(settings.fragment_update_alpha))
+            undo.pop_all()
         return engine
 
     def averaging_level(self, step: int) -> Optional[str]:

@@ -110,22 +110,21 @@ class HierarchicalSGD(HierarchicalMode):
     _skip = False
 
     def _make_engine(self, params: List[torch.nn.Parameter]) -> HierarchicalEngine:
-        engine = super()._make_engine(params)
-        if not self.settings.overlap:
-            return engine
-        try:
-            if not all(engine.binding.zero_copy) and MPI.Query_thread() < MPI.THREAD_SERIALIZED:
-                raise collective_error(InputValueError, (
-                    "overlap=True with parameters on a GPU averages from autograd's device threads, "
-                    "which needs MPI initialized with MPI_THREAD_SERIALIZED or more (mpi4py's default, "
-                    "mpi4py.rc.thread_level = 'multiple'); or pass overlap=False"))
-            engine.start_overlap(bucket_cap_mb=self.settings.bucket_cap_mb,
-                                 passes=self.settings.backward_passes_per_step,
-                                 weight=lambda: self.step_weight("global"),
-                                 waiting=lambda what, count=True: self.stall.waiting(self.num_steps, what, count))
-        except BaseException:
-            engine.close()
-            raise
+        with contextlib.ExitStack() as undo:  # if the overlap fails to start: free the engine
+            engine = super()._make_engine(params)
+            undo.callback(engine.close)
+            if self.settings.overlap:
+                if not all(engine.binding.zero_copy) and MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+                    raise collective_error(InputValueError, (
+                        "overlap=True with parameters on a GPU averages from autograd's device threads, "
+                        "which needs MPI initialized with MPI_THREAD_SERIALIZED or more (mpi4py's default, "
+                        "mpi4py.rc.thread_level = 'multiple'); or pass overlap=False"))
+                engine.start_overlap(bucket_cap_mb=self.settings.bucket_cap_mb,
+                                     passes=self.settings.backward_passes_per_step,
+                                     weight=lambda: self.step_weight("global"),
+                                     waiting=lambda what, count=True: self.stall.waiting(self.num_steps, what,
+                                                                                         count))
+            undo.pop_all()
         return engine
 
     @property
