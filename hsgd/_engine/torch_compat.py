@@ -1,9 +1,8 @@
 """The torch internals hsgd relies on, all in this module; the rest of hsgd uses torch's public API.
 
-Checked against torch 2.13.0 (the pinned version, run here) and 2.3.1 (the
-oldest the project tests; these are the names hsgd already used with it,
-moved here unchanged). A torch release that renames one breaks this module
-only.
+Checked against torch 2.13.0 (the pinned version: the tests run with it) and
+2.3.1 (the floor, constraints-floor.txt: each name below read in its source,
+with the same use). A torch release that renames one breaks this module only.
 
 - Optimizer hooks. A mode is a ``torch.optim.Optimizer`` whose groups, state
   and defaults are the inner optimizer's (:mod:`hsgd._engine.optimizer`), so
