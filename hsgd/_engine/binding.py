@@ -16,8 +16,8 @@ single-process torch, so the optimizer leaves them alone.
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
-from typing import List, Optional, Sequence
+from dataclasses import dataclass
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -26,7 +26,30 @@ from .._core.agree import collective_error
 from ..errors import InputTypeError
 from .torch_compat import version
 
-__all__ = ["SlotBinding", "FlatSlot", "slot_views"]
+__all__ = ["SlotBinding", "SlotOwner", "SlotLayout", "FlatSlot", "FlatLayout", "slot_views"]
+
+
+class SlotLayout(Protocol):
+    """Where each bound tensor lives: ``places[i]`` is tensor ``i``'s ``(segment, offset)`` in
+    elements, and ``dtypes[segment]`` the segment's dtype."""
+
+    @property
+    def places(self) -> Sequence[Tuple[int, int]]: ...
+
+    @property
+    def dtypes(self) -> Sequence[torch.dtype]: ...
+
+
+class SlotOwner(Protocol):
+    """What a :class:`~hsgd._engine.binding.SlotBinding` binds tensors to: a layout and this
+    rank's segments (a shared window's slot, or a flat private buffer)."""
+
+    @property
+    def layout(self) -> SlotLayout: ...
+
+    def own(self, segment: int) -> torch.Tensor:
+        """This rank's segment ``segment``, a flat tensor."""
+        ...
 
 
 def _own_tensor(segment: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
@@ -38,11 +61,19 @@ def _own_tensor(segment: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
     return torch.from_numpy(segment.numpy()[offset:offset + numel])
 
 
-def slot_views(averager, params) -> List[torch.Tensor]:
+def slot_views(averager: SlotOwner, params) -> List[torch.Tensor]:
     """One tensor per parameter, shaped like it, over its place in ``averager``'s own slot
     (the layout's first ``len(params)`` entries), each with its own version counter."""
     return [_own_tensor(averager.own(seg), off, p.numel()).view(p.shape)
             for p, (seg, off) in zip(params, averager.layout.places)]
+
+
+@dataclass
+class FlatLayout:
+    """A :class:`SlotLayout` of one segment: each tensor's place, unpadded."""
+
+    places: List[Tuple[int, int]]
+    dtypes: List[torch.dtype]
 
 
 class FlatSlot:
@@ -66,7 +97,7 @@ class FlatSlot:
         self.header = header_bytes // self.dtype.itemsize  # elements before the buffer
         self.frame = torch.zeros(self.header + int(offsets[-1]), dtype=self.dtype)
         self.buffer = self.frame[self.header:]
-        self.layout = SimpleNamespace(places=[(0, int(o)) for o in offsets[:-1]], dtypes=[self.dtype])
+        self.layout = FlatLayout(places=[(0, int(o)) for o in offsets[:-1]], dtypes=[self.dtype])
 
     def own(self, segment: int) -> torch.Tensor:
         return self.buffer
@@ -98,7 +129,7 @@ class SlotBinding:
     always are (the GPU path, run on the CPU).
     """
 
-    def __init__(self, averager, params: Sequence[torch.nn.Parameter], what: str,
+    def __init__(self, averager: SlotOwner, params: Sequence[torch.nn.Parameter], what: str,
                  flags: bool = False, zero_copy: bool = True):
         if what not in ("grad", "data"):
             raise ValueError(f"Invalid binding target: {what!r}")

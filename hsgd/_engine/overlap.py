@@ -33,6 +33,7 @@ from .torch_compat import queue_end_of_backward
 
 if TYPE_CHECKING:
     from ..inter_node import Pending
+    from .protocols import OverlapAverager
 
 __all__ = ["Bucket", "plan_buckets", "BackwardOverlap", "FIRST_BUCKET_MB"]
 
@@ -65,26 +66,26 @@ class _Pipeline:
     the slots first), and reads the slots after seeing every flag and another ``Win.Sync``.
     """
 
-    def __init__(self, averager, buckets: Sequence[Bucket], scale: float):
+    def __init__(self, averager: OverlapAverager, buckets: Sequence[Bucket], scale: float):
         self.averager = averager
         self.buckets = list(buckets)
-        slots, topo = averager.slots, averager.topology
-        self.me = slots.local_rank
+        topo = averager.topology
+        self.me = averager.local_rank
         self.stages = self._stages(averager, topo, scale)
         n = len(self.buckets)
-        nbytes = slots.local_size * 3 * n * 8 if self.me == 0 else 0
+        nbytes = averager.local_size * 3 * n * 8 if self.me == 0 else 0
         with contextlib.ExitStack() as undo:  # if the constructor fails: free the window
-            win = MPI.Win.Allocate_shared(nbytes, 8, comm=slots.comm)
+            win = MPI.Win.Allocate_shared(nbytes, 8, comm=averager.node_comm)
             self.win: Optional[MPI.Win] = win
             undo.callback(win.Free)
             buf, _ = win.Shared_query(0)
-            self.board = np.frombuffer(buf, dtype=np.int64, count=slots.local_size * 3 * n)  # type: ignore[call-overload]  # numpy's stubs take no mpi4py buffer before Python 3.12
-            self.board = self.board.reshape(slots.local_size, 3, n)
+            self.board = np.frombuffer(buf, dtype=np.int64, count=averager.local_size * 3 * n)  # type: ignore[call-overload]  # numpy's stubs take no mpi4py buffer before Python 3.12
+            self.board = self.board.reshape(averager.local_size, 3, n)
             win.Lock_all(MPI.MODE_NOCHECK)
             if self.me == 0:
                 self.board[...] = 0  # MPI does not zero a window; round 0 is never current
             win.Sync()
-            slots.comm.Barrier()
+            averager.node_comm.Barrier()
             win.Sync()
             undo.pop_all()
         self.round = 1
@@ -109,7 +110,7 @@ class _Pipeline:
                 self._step(k, stage, n if k == 0 else self._next[k - 1])
 
     @staticmethod
-    def _stages(averager, topo, scale: float) -> List[_Stage]:
+    def _stages(averager: OverlapAverager, topo, scale: float) -> List[_Stage]:
         """What a rank does to each bucket, in order (see the module doc); every part timed as
         its phase (``on_phase``)."""
         def intra(fn, **kw):
@@ -123,14 +124,14 @@ class _Pipeline:
         if averager.inter_node == "sharded":  # this rank's slice alone: no local rank waits for another's
             return [_Stage((_WRITTEN, everyone), reduce, None), _Stage(None, None, None, across),
                     _Stage(None, spread, None)]
-        leader = averager.slots.local_rank == 0
+        leader = averager.local_rank == 0
         return [_Stage((_WRITTEN, everyone), reduce, _REDUCED),
                 _Stage((_REDUCED, everyone), None, _CROSSED, across) if leader else _Stage(None, None, None),
                 _Stage((_CROSSED, [0]), spread, None)]
 
     def _memory_barrier(self) -> None:
         """``Win.Sync`` of both windows: the slots' and the board's stores and loads stay ordered."""
-        self.averager.slots.sync()
+        self.averager.sync()
         assert self.win is not None, "the pipeline is closed"
         self.win.Sync()
 
@@ -206,7 +207,7 @@ class _Pipeline:
         """Drive every bucket to the end, then fence: the round is over on every local rank."""
         self.advance(block=True)
         # Keeps any rank from writing next round's gradients into a slot another rank still reads.
-        self.averager.timed("intra", self.averager.slots.fence)
+        self.averager.timed("intra", self.averager.fence)
         self.round += 1
         self._reset()
 
@@ -221,7 +222,7 @@ class BackwardOverlap:
     """Hooks that average ``binding``'s gradients bucket by bucket during backward.
 
     Args:
-        averager: the :class:`~hsgd.hierarchical.averager.HierarchicalAverager` of the slot.
+        averager: the averager of the slot (an :class:`~hsgd._engine.protocols.OverlapAverager`).
         binding: the :class:`~hsgd._engine.binding.SlotBinding` of the gradients (with flags).
         bucket_cap_mb: the size of every bucket but the first.
         passes: backward passes per averaging (``backward_passes_per_step``).
@@ -235,7 +236,7 @@ class BackwardOverlap:
     build (a shared window) and to :meth:`close`.
     """
 
-    def __init__(self, averager, binding, bucket_cap_mb: float, passes: int, weight, waiting):
+    def __init__(self, averager: OverlapAverager, binding, bucket_cap_mb: float, passes: int, weight, waiting):
         self.binding, self.passes, self.weight, self.waiting = binding, passes, weight, waiting
         params = binding.params
         numels = [p.numel() for p in params] + [len(params)]  # the used-flags last

@@ -1,4 +1,4 @@
-"""``Engine``: what a family of modes builds to keep the replicas in step.
+"""The protocols between the layers of a mode: ``Engine``, ``SlotOwner``, ``OverlapAverager``.
 
 A :class:`~hsgd._engine.mode.SyncMode` checks its arguments, agrees on them, wraps
 the inner optimizer and owns the life cycle; the *engine* is the family's machinery
@@ -12,32 +12,91 @@ Every engine has ``binding`` (a :class:`~hsgd._engine.binding.SlotBinding`),
 ``fn(name, start, end)``), :meth:`describe` (its settings for the mode's ``repr``)
 and a collective, idempotent ``close()`` after which the parameters and gradients
 keep their values. What the trainer evaluates and saves is the mode's, not the engine's.
+:class:`OverlapAverager` is what the backward overlap needs from the averager of the slot,
+a :class:`~hsgd._engine.binding.SlotOwner` (what a ``SlotBinding`` binds tensors to).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import abc
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple
 
 from .._core.closable import Closable
 from .._core.traffic import Traffic
-from .binding import SlotBinding
+from .binding import SlotBinding, SlotLayout, SlotOwner
 
-__all__ = ["Engine", "PhaseCallback"]
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from ..topology import Topology
+
+__all__ = ["Engine", "PhaseCallback", "SlotLayout", "SlotOwner", "OverlapAverager", "Span"]
+
+#: ``(segment, start, stop)``: a range of elements in one segment of a slot.
+Span = Tuple[int, int, int]
 
 #: ``fn(name, start, end)``: a communication phase's name and its start and end times
 #: (``time.perf_counter()`` seconds).
 PhaseCallback = Callable[[str, float, float], None]
 
 
-class Engine(Closable):
+class OverlapAverager(SlotOwner, Protocol):
+    """What the backward overlap (:class:`~hsgd._engine.overlap.BackwardOverlap`) needs from
+    the averager of the slot: the node's ranks, their window's synchronization, the averaging
+    of one span in its parts, and the phase clock. The hierarchical family's
+    :class:`~hsgd.hierarchical.averager.HierarchicalAverager` is one."""
+
+    @property
+    def topology(self) -> Topology: ...
+
+    @property
+    def inter_node(self) -> str: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def local_size(self) -> int: ...
+
+    @property
+    def node_comm(self) -> MPI.Intracomm: ...
+
+    def sync(self) -> None:
+        """``Win.Sync`` of the slots' window: this rank's stores and loads stay ordered."""
+
+    def fence(self) -> None:
+        """Every local rank's writes to the slots are complete and visible."""
+
+    def node_mean_of(self, span: Span, scale: float) -> None:
+        """One node: every slot's ``span`` becomes ``scale`` times the mean over the node."""
+
+    def reduce_of(self, span: Span) -> None:
+        """This rank's slice of ``span`` in slot 0 becomes its sum over the node's slots."""
+
+    def start_across(self, span: Span) -> Any:
+        """Start the inter-node sum of this rank's part of ``span`` in slot 0; returns its
+        :class:`~hsgd.inter_node.Pending`."""
+
+    def spread_of(self, span: Span, scale: float) -> None:
+        """This rank's slice of ``span``, ``scale`` times slot 0's, into every slot."""
+
+    def timed(self, key: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)``, reporting its time as phase ``key``."""
+
+    def report(self, key: str, start: float, end: float) -> None:
+        """Phase ``key`` ran from ``start`` to ``end`` (``time.perf_counter()`` seconds)."""
+
+
+class Engine(Closable, abc.ABC):
     """The base of the families' engines (see the module doc)."""
 
     binding: SlotBinding
     on_phase: Optional[PhaseCallback] = None
 
     @property
+    @abc.abstractmethod
     def traffic(self) -> Traffic:
-        raise NotImplementedError
+        """The bytes this rank moved inside its node and across nodes."""
 
     def describe(self) -> Optional[str]:
         """``"key=value, ..."`` for the mode's ``repr``, or ``None``."""

@@ -15,6 +15,7 @@ import contextlib
 import time
 
 import torch
+from mpi4py import MPI
 
 from .._core.checks import check_choice
 from .._core.closable import Closable
@@ -63,6 +64,27 @@ class HierarchicalAverager(Closable):
     @property
     def inter_node(self) -> str:
         return self.inter.name
+
+    # What the backward overlap needs of the node's slots (hsgd._engine.protocols.OverlapAverager).
+    @property
+    def local_rank(self) -> int:
+        return self.slots.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self.slots.local_size
+
+    @property
+    def node_comm(self) -> MPI.Intracomm:
+        return self.slots.comm
+
+    def sync(self) -> None:
+        """``Win.Sync`` of the slots' window."""
+        self.slots.sync()
+
+    def fence(self) -> None:
+        """Every local rank's writes to the slots are complete and visible."""
+        self.slots.fence()
 
     def own(self, segment: int) -> torch.Tensor:
         """This rank's slot, segment ``segment``: write the values to average here."""
