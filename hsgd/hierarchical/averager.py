@@ -138,7 +138,7 @@ class HierarchicalAverager(Closable):
 
     # --- the phases on their own, on ``span`` = ``(segment, lo, hi)`` (a bucket) or ``None``
     # (every segment whole). No fences: the caller orders the ranks (average() above, or the
-    # per-bucket flags of hsgd._engine.overlap).
+    # per-bucket flags of hsgd.hierarchical.overlap).
     def node_mean_of(self, span, scale: float) -> None:
         """Set this rank's slice of ``span`` in every slot to their sum times ``scale`` / local size."""
         if self.slots.local_size == 1 and scale == 1.0:

@@ -5,7 +5,7 @@
 gradients (``bind="grad"``) or parameters (``"data"``) bound to this rank's
 slot (:class:`~hsgd._engine.binding.SlotBinding`) and, for
 ``HierarchicalSGD(overlap=True)``, the averaging of gradient buckets during
-backward (:class:`~hsgd._engine.overlap.BackwardOverlap`) or, for
+backward (:class:`~hsgd.hierarchical.overlap.BackwardOverlap`) or, for
 ``HierarchicalLocalSGD(outer_optimizer=...)``, DiLoCo's outer step
 (:class:`~hsgd.hierarchical.outer.OuterLoop`).
 
@@ -28,7 +28,6 @@ from .._core.settings import Boolean, Choice, setting
 from .._core.traffic import Traffic
 from .._engine.binding import SlotBinding
 from .._engine.mode import SyncMode
-from .._engine.overlap import BackwardOverlap
 from .._engine.protocols import Engine
 from ..compression import COMPRESSIONS, Compression
 from ..errors import InputTypeError
@@ -37,6 +36,7 @@ from ..intra_node import Layout
 from ..topology import Topology
 from .averager import HierarchicalAverager
 from .outer import OuterFactory, OuterLoop
+from .overlap import BackwardOverlap
 
 __all__ = ["HierarchicalEngine", "HierarchicalMode"]
 
@@ -58,7 +58,7 @@ class HierarchicalEngine(Engine):
     Attributes:
         averager: the :class:`~hsgd.hierarchical.averager.HierarchicalAverager`.
         binding: the :class:`~hsgd._engine.binding.SlotBinding` of ``params``.
-        overlap: the :class:`~hsgd._engine.overlap.BackwardOverlap`, or ``None``.
+        overlap: the :class:`~hsgd.hierarchical.overlap.BackwardOverlap`, or ``None``.
         outer: the :class:`~hsgd.hierarchical.outer.OuterLoop`, or ``None``.
     """
 

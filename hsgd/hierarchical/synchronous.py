@@ -27,10 +27,10 @@ from mpi4py import MPI
 
 from .._core.agree import collective_error
 from .._core.settings import Boolean, Integer, Real, setting
-from .._engine.overlap import BackwardOverlap
 from .._engine.torch_compat import leave_grad_scaler
 from ..errors import InputValueError
 from .engine import HierarchicalEngine, HierarchicalMode
+from .overlap import BackwardOverlap
 
 __all__ = ["HierarchicalSGD", "DEFAULT_BUCKET_MB"]
 
@@ -46,7 +46,7 @@ class HierarchicalSGD(HierarchicalMode):
             ``compression``, ``backward_passes_per_step``, ``overlap``, ``bucket_cap_mb``).
 
     With ``overlap=True`` the gradients are averaged in buckets while backward still runs
-    (:mod:`hsgd._engine.overlap`), the same averages as without. ``backward()`` then returns
+    (:mod:`hsgd.hierarchical.overlap`), the same averages as without. ``backward()`` then returns
     with the averages, as with DDP (clipping after it clips the average), is collective, and
     must run exactly ``backward_passes_per_step`` times per step (earlier passes inside
     :meth:`no_sync`); a ``GradScaler`` is refused. It pays only where averaging can run

@@ -12,8 +12,8 @@ from _models import LAYOUTS, fixed_batch, mlp, shard
 from _sgd import OPTIMIZERS, Branchy, assert_params_close, check_binding, reference
 
 from hsgd import HierarchicalSGD, Topology
-from hsgd._engine.overlap import plan_buckets
 from hsgd.errors import InputValueError
+from hsgd.hierarchical.overlap import plan_buckets
 
 STEPS = 6
 TINY = 1e-6  # MiB: every tensor its own bucket

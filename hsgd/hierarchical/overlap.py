@@ -28,12 +28,12 @@ import numpy as np
 from mpi4py import MPI
 
 from .._core.waits import Backoff
+from .._engine.torch_compat import queue_end_of_backward
 from .buckets import FIRST_BUCKET_MB, Bucket, plan_buckets
-from .torch_compat import queue_end_of_backward
 
 if TYPE_CHECKING:
+    from .._engine.protocols import OverlapAverager
     from ..inter_node import Pending
-    from .protocols import OverlapAverager
 
 __all__ = ["Bucket", "plan_buckets", "BackwardOverlap", "FIRST_BUCKET_MB"]
 
