@@ -1,7 +1,8 @@
 """Under ``mpiexec`` for ``python -m lab.bench train --hosts N``: the methods across emulated hosts.
 
 :func:`worker` runs on every rank: on one host it is :func:`hsgd.bench._train_worker.worker`;
-across emulated hosts it runs that worker with this module as ``across``: the hosts are
+across emulated hosts it runs that worker with this module as ``across`` (its
+``init_gloo``, ``LinkMeter``, ``methods`` and ``limits``): the hosts are
 the nodes, the methods are those of :func:`methods` (with :class:`_FlatAllreduce`, one
 ``MPI_Allreduce`` of all gradients), what crossed each link is read by
 :class:`lab.bench._links.LinkMeter`, and :func:`limits` adds each method's wire limit.
@@ -9,6 +10,7 @@ the nodes, the methods are those of :func:`methods` (with :class:`_FlatAllreduce
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 
 from hsgd.bench import _train_worker
@@ -22,7 +24,7 @@ __all__ = ["worker", "methods", "limits", "LinkMeter", "init_gloo"]
 
 def worker(args):
     """On every rank: each workload, every method; rank 0 returns one row per workload."""
-    return _train_worker.worker(args, across=_Across if on_hosts(args) else None)
+    return _train_worker.worker(args, across=sys.modules[__name__] if on_hosts(args) else None)
 
 
 class _FlatAllreduce:
@@ -92,10 +94,3 @@ def limits(times, crossed, args) -> dict:
     return dict(crossed=crossed, timed_repeats=args.repeats,
                 limits={n: wire_limit(c, link_rates(args), floor, total) for n, c in crossed.items()})
 
-
-class _Across:
-    """What :func:`hsgd.bench._train_worker.worker` calls across emulated hosts."""
-    init_gloo = staticmethod(init_gloo)
-    LinkMeter = LinkMeter
-    methods = staticmethod(methods)
-    limits = staticmethod(limits)

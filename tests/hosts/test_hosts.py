@@ -202,3 +202,19 @@ def test_the_model_measures_the_many_to_many_efficiency_from_three_hosts(emulate
     assert ("| nodes x ranks/node | floats | strategy | predicted ms | measured ms | error | bytes as modelled |"
             in proc.stdout.splitlines()), proc.stdout
     assert "3 emulated hosts (1+1+1 ranks, links 1gbit, TCP)" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("script,arguments", [
+    ("gossip_rounds.py", ["1e4", "1"]),
+    ("concurrent_streams.py", ["1e4", "1", "shift"]),
+    ("concurrent_streams.py", ["1e4", "1", "fans"]),
+])
+def test_the_labs_measuring_scripts_run_across_hosts(emulated_hosts, script, arguments):
+    """``lab/scripts/``, as their docstrings run them: one command from the clone, tiny sizes (no timing
+    asserted)."""
+    emulated_hosts()  # the capability check
+    proc = subprocess.run([sys.executable, "-m", "lab.hosts", "run", "--hosts", "2", "--ranks-per-host", "2",
+                           "--link", "1gbit", "--", sys.executable, f"lab/scripts/{script}", *arguments],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180, env=mpi_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "median" in proc.stdout, proc.stdout
