@@ -14,7 +14,7 @@ Where the nodes run:
   its ranks share one network stack and one host name, so MPI carries the
   "inter-node" bytes through shared memory or loopback.
 - With ``hosts`` (an :class:`lab.hosts.EmulatedHosts`, see
-  ``hsgd/hosts/__init__.py``), node ``n{i+1}`` is host ``i``: its slurmd runs
+  ``lab/hosts/__init__.py``), node ``n{i+1}`` is host ``i``: its slurmd runs
   in that host's network and UTS namespaces (``hosts.exec_command``), with
   ``NodeAddr`` the host's address and ``NodeHostname`` its name, so a job's
   tasks on different nodes run on different hosts, each with its own
