@@ -9,9 +9,9 @@ count)::
 In one MPI job per rank count, side by side: hsgd's average (on one node, and on
 virtual nodes of 2), ``comm.Allreduce`` plus a scale, and gloo's ``all_reduce`` plus
 a divide; each timing is the slowest rank's after a barrier, medians over
-``--repeats``. The ranks are wherever your ``mpiexec`` puts them (set ``HYDRA_HOST_FILE``
-or your MPI's host file to span your nodes). Across hosts emulated on one machine, with
-the bytes on the busiest link: ``python -m lab.bench allreduce --hosts 2`` from a clone.
+``--repeats``. Each job is ``mpiexec -n RANKS`` on this host (gloo meets on
+127.0.0.1). Across hosts emulated on one machine, with the bytes on the busiest link:
+``python -m lab.bench allreduce --hosts 2`` from a clone.
 What each column is: docs/benchmark-methods.md (``allreduce``).
 """
 
