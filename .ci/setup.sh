@@ -5,7 +5,7 @@
 #   private cluster (tests/e2e/slurm_cluster.py) runs with AuthType=auth/none: munge comes in
 #   as a dependency but is not used;
 # - ip and tc (iproute2), nsenter, unshare and setpriv (util-linux) for tests/hosts, which make
-#   hosts out of network namespaces (hsgd.hosts). Whether the kernel and the container let us
+#   hosts out of network namespaces (lab.hosts). Whether the kernel and the container let us
 #   make namespaces, veths, bridges and tbf queues is checked by making some: a missing
 #   capability fails those tests under CI=true, so this script does not hide it.
 set -euo pipefail

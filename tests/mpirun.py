@@ -18,7 +18,7 @@ Every multi-rank test starts its job through :func:`run_mpi` (or
 
 The launcher itself (the ``mpiexec``, its flavour and flags, the job's
 environment, the timeout that kills the job whole) is
-:mod:`hsgd.hosts._launcher`, the one the benchmarks use; this module adds
+:mod:`hsgd.bench._launcher`, the one the benchmarks use; this module adds
 what is the tests': ``pytest.fail``, the private ``TMPDIR`` and the leftovers.
 """
 
@@ -34,8 +34,8 @@ from typing import Dict, List, Optional, Sequence
 import pytest
 from leftovers import leftovers, remove, snapshot
 
-from hsgd.hosts import _launcher  # one launcher for the tests and the benchmarks
-from hsgd.hosts._launcher import descendants, mpi_command, mpi_flavour
+from hsgd.bench import _launcher  # one launcher for the tests and the benchmarks
+from hsgd.bench._launcher import descendants, mpi_command, mpi_flavour
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = int(os.environ.get("HSGD_MPI_TEST_TIMEOUT", "420"))

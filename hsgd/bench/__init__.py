@@ -1,18 +1,22 @@
-"""Benchmarks: ``python -m hsgd.bench SUBCOMMAND [options]``.
+"""Benchmarks for your own cluster: ``python -m hsgd.bench SUBCOMMAND [options]``.
 
-Every subcommand measures one thing, prints a markdown table (the form in
-``docs/benchmarks.md`` and ``docs/reliability.md``), can write its raw measurements and
-its settings as JSON (``--json PATH``), and reports its progress on stderr
-(``--progress``). Those that time something take ``--repeats`` timed runs after
-``--warmup`` untimed ones and show medians; those that need several ranks launch
-``mpiexec`` on themselves, one job per rank count, so every command is run as a plain
-``python``::
+What a user needs after ``pip install hsgd`` to measure their own machines: how fast
+hsgd averages against MPI and gloo (``allreduce``), and how fast it trains against
+torch's DDP, model averagers and Horovod (``train``). Every subcommand prints a
+markdown table (the form in ``docs/benchmarks.md``), can write its raw measurements
+and its settings as JSON (``--json PATH``), and reports its progress on stderr
+(``--progress``). They take ``--repeats`` timed runs after ``--warmup`` untimed ones
+and show medians; they launch ``mpiexec`` on themselves, one job per rank count, so
+every command is run as a plain ``python``::
 
     python -m hsgd.bench --help                      # the subcommands
     python -m hsgd.bench allreduce --ranks 2 --sizes 1e6 --repeats 5
-    python -m hsgd.bench io --gib 0.05 --repeats 1 --json io.json
+    python -m hsgd.bench train --ranks 4 --workloads mlp --repeats 3
 
-What each measures and how: docs/benchmark-methods.md.
+The investigations (data loading, the parameter box, stalls, modes, gossip, LARS,
+DiLoCo, faults, the cost model) and the runs across emulated hosts are the lab's,
+beside the package in a clone: ``python -m lab.bench --help``. What each measures and
+how: docs/benchmark-methods.md.
 """
 
 __all__ = ["SUBCOMMANDS"]
@@ -27,14 +31,5 @@ __all__ = ["SUBCOMMANDS"]
 #: The subcommands, in ``--help`` order; each is the module ``hsgd.bench.<name>``.
 SUBCOMMANDS = (
     "allreduce",
-    "io",
-    "box",
-    "stall",
-    "modes",
-    "gossip",
-    "lars",
-    "diloco",
-    "faults",
-    "model",
     "train",
 )

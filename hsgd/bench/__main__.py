@@ -1,9 +1,10 @@
 """``python -m hsgd.bench SUBCOMMAND [options]``: run one benchmark, print its tables.
 
 Each subcommand is a module of ``hsgd.bench`` (see :data:`hsgd.bench.SUBCOMMANDS`).
-Its options, ``--json PATH`` and ``--progress`` are parsed here; the
-training benchmarks (``modes``, ``gossip``) pass options they do not know on
-to ``python -m hsgd.train``, the others reject them. A bad option prints
+Its options, ``--json PATH`` and ``--progress`` are parsed here; a subcommand
+with ``PASSES_ON`` passes options it does not know on to ``python -m hsgd.train``,
+the others reject them. The lab beside the package (``python -m lab.bench``) runs
+its own subcommands through the same :func:`main`. A bad option prints
 one ``error:`` line and exits with status 2, before anything runs. Under
 ``mpiexec`` (``--worker-out``, set by :func:`hsgd.bench._launch.run_workers`)
 every rank runs the subcommand's ``worker(args)`` and rank 0 writes its
@@ -28,26 +29,31 @@ def _summary(module) -> str:
     return (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(package: str = "hsgd.bench", subcommands: Sequence[str] = SUBCOMMANDS,
+                 description: str = "Benchmarks of hsgd") -> argparse.ArgumentParser:
+    """The parser of ``python -m PACKAGE``: one subparser per module ``PACKAGE.<name>``."""
     parser = argparse.ArgumentParser(
-        prog="python -m hsgd.bench", description="Benchmarks of hsgd: each subcommand prints a "
+        prog=f"python -m {package}", description=f"{description}: each subcommand prints a "
         "markdown table; --json PATH also writes the raw measurements. "
-        "'python -m hsgd.bench SUBCOMMAND --help' says what it measures and how.")
+        f"'python -m {package} SUBCOMMAND --help' says what it measures and how.")
     subparsers = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
-    for name in SUBCOMMANDS:
-        module = importlib.import_module(f"{__package__}.{name}")
+    for name in subcommands:
+        module = importlib.import_module(f"{package}.{name}")
         sub = subparsers.add_parser(name, help=_summary(module), description=module.__doc__,
                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                    prog=f"python -m hsgd.bench {name}", allow_abbrev=False)
+                                    prog=f"python -m {package} {name}", allow_abbrev=False)
         module.add_arguments(sub)
         add_common_options(sub)
         sub.set_defaults(module=module, parser=sub)
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, package: str = "hsgd.bench",
+         subcommands: Sequence[str] = SUBCOMMANDS, description: str = "Benchmarks of hsgd") -> int:
+    """Run ``python -m PACKAGE SUBCOMMAND [options]`` (``argv``: the words after the package)."""
     words: List[str] = list(sys.argv[1:] if argv is None else argv)
-    args, extra = build_parser().parse_known_args(words)
+    args, extra = build_parser(package, subcommands, description).parse_known_args(words)
+    args._package = package  # the jobs it starts run python -m PACKAGE
     module, parser = args.module, args.parser
     if extra and not getattr(module, "PASSES_ON", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

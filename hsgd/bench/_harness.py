@@ -127,7 +127,7 @@ def write_json(path: Path, subcommand: str, args: argparse.Namespace, extra: Seq
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                 if not k.startswith("_") and k not in ("module", "parser")}  # _name: internal
     record = {"subcommand": subcommand,
-              "command": " ".join(["python -m hsgd.bench", subcommand, *args._argv]),
+              "command": " ".join([f"python -m {getattr(args, '_package', 'hsgd.bench')}", subcommand, *args._argv]),
               "settings": settings, "passed_on": list(extra), "environment": _environment(),
               "tables": [asdict(t) for t in result.tables], "raw": result.raw}
     Path(path).write_text(json.dumps(record, indent=1) + "\n")

@@ -3,12 +3,12 @@
 :func:`worker` runs on every rank of the jobs :mod:`hsgd.bench.train` starts. For each
 workload (:func:`_model`) every method gets its own copy of the model, seeded the same,
 and the same batches (:func:`_batches`), with SGD (lr 0.01, momentum 0.9) under its
-wrapper (:class:`_Method`): on this host the methods of :func:`_methods`, across
-emulated hosts those of :func:`_host_methods` (with :class:`_FlatAllreduce`, one
-``MPI_Allreduce`` of all gradients). Each repeat runs ``--steps`` steps of every method
-in a rotating order, timed on the slowest rank after a barrier, across hosts with what
-crossed each link (:class:`hsgd.bench._links.LinkMeter`); then as many bare averages of
-hsgd's gradient buffer as steps were timed. Rank 0 returns one row per workload.
+wrapper (:class:`_Method`): the methods of :func:`_methods`. Each repeat runs
+``--steps`` steps of every method in a rotating order, timed on the slowest rank after
+a barrier; then as many bare averages of hsgd's gradient buffer as steps were timed.
+Rank 0 returns one row per workload. Across hosts emulated on one machine (the lab's
+``python -m lab.bench train --hosts N``), ``across`` brings that run's methods and
+the meter of what crossed each link.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ import os
 import time
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple, Union
-
-from ._harness import median
-from ._links import LinkMeter, init_gloo, link_rates, on_hosts, wire_limit
 
 __all__ = ["worker"]
 
@@ -119,66 +116,6 @@ def _methods(workload, batches, comm, topologies, period, local: bool, skipped: 
     return made
 
 
-class _FlatAllreduce:
-    """``flat MPI``: after backward, one ``MPI_Allreduce`` of all gradients (flattened) over every
-    rank, the mean copied back, then the inner optimizer's step: the flat baseline."""
-
-    def __init__(self, inner, model, comm):
-        import torch
-
-        self.inner, self.comm, self.params = inner, comm, [p for p in model.parameters() if p.requires_grad]
-        self.flat = torch.zeros(sum(p.numel() for p in self.params))
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def step(self) -> None:
-        from mpi4py import MPI
-
-        offset = 0
-        for p in self.params:
-            self.flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-            offset += p.numel()
-        self.comm.Allreduce(MPI.IN_PLACE, self.flat.numpy(), op=MPI.SUM)
-        self.flat.mul_(1.0 / self.comm.size)
-        offset = 0
-        for p in self.params:
-            p.grad.copy_(self.flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
-        self.inner.step()
-
-
-def _host_methods(workload, batches, comm, topology, skipped: list):
-    """The methods across emulated hosts (the hosts are the nodes), in order; collective."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from hsgd import HierarchicalSGD
-
-    plain = lambda inner, model: inner  # noqa: E731
-    made = OrderedDict()
-    made["no comm"] = _Method(workload, batches, plain)
-    made["hsgd"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(o, m, topology=topology))
-    for how in ("leader", "sharded"):
-        made[f"hsgd {how}"] = _Method(workload, batches, lambda o, m, how=how: HierarchicalSGD(
-            o, m, topology=topology, inter_node=how))
-    made["hsgd fp16"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
-        o, m, topology=topology, compression="fp16"))
-    made["hsgd overlap"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
-        o, m, topology=topology, overlap=True))
-    made["hsgd overlap 4MB"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
-        o, m, topology=topology, overlap=True, bucket_cap_mb=4))
-    made["hsgd overlap sharded 4MB"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
-        o, m, topology=topology, overlap=True, bucket_cap_mb=4, inter_node="sharded"))
-    for name, view in (("DDP", False), ("DDP bucket view", True)):
-        made[name] = _Method(workload, batches, plain, model_wrap=lambda m, view=view: DistributedDataParallel(
-            m, gradient_as_bucket_view=view))
-    made["flat MPI"] = _Method(workload, batches, lambda o, m: _FlatAllreduce(o, m, comm))
-    horovod = _horovod(skipped)
-    if horovod is not None:
-        made["Horovod"] = _Method(workload, batches, lambda o, m: _horovod_optimizer(horovod, o, m))
-    return made
-
-
 def _horovod(skipped: list):
     """``horovod.torch`` initialized, or None (and why, in ``skipped``)."""
     try:
@@ -204,8 +141,10 @@ def _batches(count, per_rank, rank, workload):
             for _ in range(count)]
 
 
-def worker(args):
-    """On every rank: each workload, every method; rank 0 returns one row per workload."""
+def worker(args, across=None):
+    """On every rank: each workload, every method; rank 0 returns one row per workload.
+    ``across``: the lab's emulated hosts (``lab.bench._host_train``: ``init_gloo``,
+    ``LinkMeter``, ``methods`` and ``limits``), the hosts being the nodes; ``None``: one host."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
@@ -215,7 +154,7 @@ def worker(args):
     from .allreduce import _timed
 
     comm = MPI.COMM_WORLD
-    hosts = on_hosts(args)
+    hosts = across is not None
     if hosts:  # the hosts are the nodes
         topologies: Dict[Union[int, str], Topology] = {"hosts": Topology.from_comm(comm)}
     else:
@@ -226,15 +165,19 @@ def worker(args):
     local_size = next(iter(topologies.values())).local_size
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
                           else max(1, len(os.sched_getaffinity(0)) // local_size))
-    init_gloo(args, comm, args._port)
-    meter = LinkMeter(comm) if hosts else None
+    if hosts:
+        across.init_gloo(args, comm, args._port)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args._port}", rank=comm.rank,
+                                world_size=comm.size)
+    meter = across.LinkMeter(comm) if hosts else None
     rows = []
     for workload in args.workloads:
         per_rank = args.cnn_batch if workload == "cnn" else args.mlp_batch
         skipped: List[str] = []
         batches = _batches(args.batches, per_rank, comm.rank, workload)
         if hosts:
-            methods = _host_methods(workload, batches, comm, topologies["hosts"], skipped)
+            methods = across.methods(workload, batches, comm, topologies["hosts"], skipped)
         else:
             methods = _methods(workload, batches, comm, topologies, args.period, args.local, skipped)
         names = list(methods)
@@ -267,10 +210,7 @@ def worker(args):
         row = {"workload": workload, "ranks": comm.size, "batch": per_rank, "numel": numel,
                "threads": torch.get_num_threads(), "times": times, "average": average, "skipped": skipped}
         if hosts:
-            floor = median(times["no comm"]) / args.steps
-            total = args.steps * args.repeats  # the steps the counters covered
-            row.update(crossed=crossed, timed_repeats=args.repeats,
-                       limits={n: wire_limit(c, link_rates(args), floor, total) for n, c in crossed.items()})
+            row.update(across.limits(times, crossed, args))
         rows.append(row)
     dist.destroy_process_group()
     for topo in topologies.values():

@@ -5,13 +5,14 @@ count)::
 
     python -m hsgd.bench allreduce                    # 2 and 4 ranks, 1M/10M/25M floats
     python -m hsgd.bench allreduce --ranks 2 --sizes 1e6 --repeats 5
-    python -m hsgd.bench allreduce --hosts 2 --ranks-per-host 2 --link 1gbit --sizes 1e6 2e6 --repeats 5   # as root
 
 In one MPI job per rank count, side by side: hsgd's average (on one node, and on
 virtual nodes of 2), ``comm.Allreduce`` plus a scale, and gloo's ``all_reduce`` plus
 a divide; each timing is the slowest rank's after a barrier, medians over
-``--repeats``. Across emulated hosts each time comes with the bytes on the busiest
-link and its wire limit. What each column is: docs/benchmark-methods.md (``allreduce``).
+``--repeats``. Each job is ``mpiexec -n RANKS`` on this host (gloo meets on
+127.0.0.1). Across hosts emulated on one machine, with the bytes on the busiest link:
+``python -m lab.bench allreduce --hosts 2`` from a clone.
+What each column is: docs/benchmark-methods.md (``allreduce``).
 """
 
 from __future__ import annotations
@@ -22,15 +23,11 @@ import time
 from typing import Any, Dict
 
 from ._harness import Result, Table, add_repeat_options, clock, int_at_least, median, positive_float, repeat
-from ._launch import add_hosts_options, check_hosts_options, run_per_rank_count
-from ._links import LinkMeter, init_gloo, link_rates, on_hosts, wire_limit
+from ._launch import run_per_rank_count
 
 METHODS = ("hsgd", "hsgd 2-level", "MPI", "gloo")
 COLUMNS = ("ranks", "floats", "hsgd ms", "hsgd 2-level ms", "MPI ms", "gloo ms", "MPI/hsgd", "gloo/hsgd",
            "copy ms", "add ms")
-HOST_METHODS = ("hsgd", "hsgd sharded", "hsgd fp16", "MPI", "gloo")  # across emulated hosts
-HOST_COLUMNS = ("ranks", "floats", "method", "ms", "MB on the busiest link", "wire limit ms", "of the wire limit",
-                "MPI/method")
 
 
 def add_arguments(p) -> None:
@@ -39,37 +36,17 @@ def add_arguments(p) -> None:
                    help="float32 elements per buffer (1e6 1e7 2.5e7)")
     add_repeat_options(p, repeats=10, warmup=2, what="averages")
     p.add_argument("--port", dest="_port", type=int, default=0, help=argparse.SUPPRESS)  # gloo's, set by run()
-    add_hosts_options(p)
-
-
-def check(args, extra, parser) -> None:
-    check_hosts_options(args, parser)
 
 
 def run(args, extra) -> Result:
     rows = run_per_rank_count("allreduce", args, timeout=1800, gloo=True, drop_env=["HSGD_RANKS_PER_NODE"])
-    title = (f"median of {args.repeats} repeats after {args.warmup} warm-up (slowest rank), float32, "
-             f"{os.cpu_count()} cores")
-    if on_hosts(args):
-        title += f", {args.hosts} emulated hosts, ranks {'+'.join(map(str, args.host_ranks))}, links {args.link}"
-        table = Table(HOST_COLUMNS, [line for r in rows for line in _host_rows(r, args)], title)
-        table.notes = ["MB: the larger of sent and received on the busiest host's link (eth0's counters) per "
-                       "average; wire limit: those bytes over the link rate"]
-        return Result([table], rows)
-    return Result([Table(COLUMNS, [_row(r) for r in rows], title)], rows)
+    return Result([Table(COLUMNS, [_row(r) for r in rows], title(args))], rows)
 
 
-def _host_rows(r, args):
-    rates = link_rates(args)
-    flat = median(r["times"]["MPI"])
-    for name in HOST_METHODS:
-        t = median(r["times"][name])
-        crossed = r["crossed"][name]
-        busiest = max(max(sent, received) for sent, received in crossed) / r["averages"]
-        limit = wire_limit(crossed, rates, 0.0, r["averages"])
-        yield [r["ranks"], f"{r['numel'] / 1e6:g}M", name, f"{t * 1e3:.1f}", f"{busiest / 1e6:.2f}",
-               "-" if limit is None else f"{limit * 1e3:.1f}", "-" if limit is None else f"{limit / t:.0%}",
-               f"{flat / t:.2f}x"]
+def title(args) -> str:
+    """The tables' title: the repeats, the warm-up, the cores."""
+    return (f"median of {args.repeats} repeats after {args.warmup} warm-up (slowest rank), float32, "
+            f"{os.cpu_count()} cores")
 
 
 def _row(r):
@@ -134,16 +111,17 @@ def mpi_times(comm, n, args):
     return _timed(comm, mpi_average, args)
 
 
-def _gloo_average(comm, n):
+def gloo_average(comm, n):
+    """A callable: gloo's ``all_reduce`` of ``n`` float32, then a divide by the size."""
     import torch
     import torch.distributed as dist
 
     buf = torch.ones(n)
 
-    def gloo_average():
+    def average():
         dist.all_reduce(buf)
         buf.div_(comm.size)
-    return gloo_average
+    return average
 
 
 def worker(args):
@@ -154,11 +132,6 @@ def worker(args):
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
-    if on_hosts(args):
-        init_gloo(args, comm, args._port)
-        results = [_host_worker(comm, int(s), args) for s in args.sizes]
-        dist.destroy_process_group()
-        return results if comm.rank == 0 else []
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args._port}",
                             rank=comm.rank, world_size=comm.size)
     results = []
@@ -168,27 +141,9 @@ def worker(args):
         for name, rpn in layouts:
             row["times"][name], _ = hsgd_times(comm, n, args, ranks_per_node=rpn)
         row["times"]["MPI"] = mpi_times(comm, n, args)
-        row["times"]["gloo"] = _timed(comm, _gloo_average(comm, n), args)
+        row["times"]["gloo"] = _timed(comm, gloo_average(comm, n), args)
         if comm.rank == 0:
             row["copy"], row["add"] = _bandwidth(n, args.repeats)
             results.append(row)
     dist.destroy_process_group()
     return results
-
-
-def _host_worker(comm, n, args):
-    """Across emulated hosts (the hosts are the nodes): every method's times and the bytes that
-    crossed each host's link during its warm-up and timed averages. Collective."""
-    meter = LinkMeter(comm)
-    row = {"ranks": comm.size, "numel": n, "times": {}, "crossed": {}, "averages": args.warmup + args.repeats}
-    runs = {"hsgd": lambda: hsgd_times(comm, n, args)[0],
-            "hsgd sharded": lambda: hsgd_times(comm, n, args, inter_node="sharded")[0],
-            "hsgd fp16": lambda: hsgd_times(comm, n, args, compression="fp16")[0],
-            "MPI": lambda: mpi_times(comm, n, args),
-            "gloo": lambda: _timed(comm, _gloo_average(comm, n), args)}
-    for name in HOST_METHODS:
-        comm.Barrier()
-        meter.start()
-        row["times"][name] = runs[name]()
-        row["crossed"][name] = meter.stop()
-    return row

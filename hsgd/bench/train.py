@@ -4,15 +4,16 @@ One command (it launches ``mpiexec`` itself, one job per rank count)::
 
     python -m hsgd.bench train                          # 2 and 4 ranks, both workloads
     python -m hsgd.bench train --ranks 2 --workloads mlp --repeats 3
-    python -m hsgd.bench train --hosts 2 --ranks-per-host 2 --link 1gbit --workloads mlp2m   # as root
 
 In each job, for each workload (``mlp``, ``cnn``, ``deep``, ``mlp2m``), every method
 trains its own copy of the same model on the same synthetic batches with the same
 optimizer: hsgd's synchronous and local-SGD modes beside DDP, torch's model averagers
-and Horovod (when it imports), and across emulated hosts with the bytes on the busiest
-link and the wire limit. Medians over ``--repeats`` of the slowest rank's time per
+and Horovod (when it imports). Medians over ``--repeats`` of the slowest rank's time per
 step, with the methods' order rotating between repeats. What each workload, method and
-column is: docs/benchmark-methods.md (``train``).
+column is: docs/benchmark-methods.md (``train``). Each job is ``mpiexec -n RANKS`` on
+this host (gloo meets on 127.0.0.1); across hosts emulated on one machine, with the bytes
+on the busiest link and the wire limit: ``python -m lab.bench train --hosts 2`` from a
+clone.
 """
 
 from __future__ import annotations
@@ -21,16 +22,13 @@ import argparse
 import os
 
 from ._harness import Result, Table, add_repeat_options, int_at_least, median
-from ._launch import add_hosts_options, check_hosts_options, run_per_rank_count
-from ._links import on_hosts
+from ._launch import run_per_rank_count
 from ._train_worker import worker  # noqa: F401 (what every rank runs)
 
 WORKLOADS = ("mlp", "cnn", "deep", "mlp2m")
 DEFAULT_WORKLOADS = ("mlp", "cnn")
 SYNC = ("no comm", "hsgd", "hsgd overlap", "hsgd leader 2n", "hsgd sharded 2n", "hsgd overlap sharded 2n",
         "DDP", "DDP bucket view", "Horovod")
-HOSTS = ("no comm", "hsgd", "hsgd leader", "hsgd sharded", "hsgd fp16", "hsgd overlap", "hsgd overlap 4MB",
-         "hsgd overlap sharded 4MB", "DDP", "DDP bucket view", "flat MPI", "Horovod")  # across emulated hosts
 LOCAL = ("hsgd local", "torch periodic", "hsgd local 2n", "torch hierarchical")
 
 
@@ -47,11 +45,9 @@ def add_arguments(p) -> None:
                    help="local SGD period P; even (the 2-node runs average in the node every P/2) (4)")
     p.add_argument("--no-local", dest="local", action="store_false", help="skip the local-SGD methods")
     p.add_argument("--port", dest="_port", type=int, default=0, help=argparse.SUPPRESS)  # gloo's, set by run()
-    add_hosts_options(p)
 
 
 def check(args, extra, parser) -> None:
-    check_hosts_options(args, parser)
     if args.period % 2:
         parser.error(f"argument --period: {args.period} is odd; the 2-node local SGD averages in the "
                      f"node every P/2 steps: use an even period such as {args.period + 1}")
@@ -59,7 +55,7 @@ def check(args, extra, parser) -> None:
 
 def run(args, extra) -> Result:
     rows = run_per_rank_count("train", args, timeout=3600, gloo=True, drop_env=["HSGD_RANKS_PER_NODE"])
-    return Result(_host_tables(rows, args) if on_hosts(args) else _tables(rows, args), rows)
+    return Result(tables(rows, args), rows)
 
 
 # --- tables -------------------------------------------------------------------------------
@@ -71,36 +67,8 @@ def _ratio(a, b) -> str:
     return "-" if a is None or b is None else f"{a / b:.2f}x"
 
 
-def _host_tables(rows, args):
-    """Across hosts: one table per workload, a row per method."""
-    title = (f"median of {args.repeats} repeats of {args.steps} steps after {args.warmup} warm-up (slowest "
-             f"rank), {args.hosts} emulated hosts, ranks {args.ranks_per_host} per host, links {args.link}")
-    tables = []
-    for r in rows:
-        step = {k: median(v) / args.steps for k, v in r["times"].items() if v}
-        ddp = step.get("DDP")
-        table = Table(["method", "ms per step", "samples/s", "MB per step on the busiest link", "wire limit ms",
-                       "of the wire limit", "samples/s / DDP's"],
-                      title=f"{r['workload']} ({r['numel'] / 1e6:.2f}M parameters), batch {r['batch']} per rank: "
-                            f"{title}",
-                      notes=["MB: the larger of sent and received on the busiest host's link (eth0's counters), "
-                             "per step; wire limit: the no-communication step plus those bytes over the link rate",
-                             *r["skipped"]])
-        for name in HOSTS:
-            if name not in step:
-                continue
-            crossed, limit = r["crossed"].get(name), r["limits"].get(name)
-            busiest = None if not crossed else max(max(c) for c in crossed) / (args.steps * r["timed_repeats"])
-            table.rows.append([name, _ms(step[name]), f"{r['ranks'] * r['batch'] / step[name]:.0f}",
-                               "-" if busiest is None else f"{busiest / 1e6:.2f}",
-                               "-" if limit is None or name == "no comm" else _ms(limit),
-                               "-" if limit is None or name == "no comm" else f"{limit / step[name]:.0%}",
-                               _ratio(ddp, step[name])])
-        tables.append(table)
-    return tables
-
-
-def _tables(rows, args):
+def tables(rows, args):
+    """On one host: per workload, a table of the synchronous methods, of local SGD, of the overhead."""
     title = (f"median of {args.repeats} repeats of {args.steps} steps after {args.warmup} warm-up "
              f"(slowest rank), {os.cpu_count()} cores; cells: ms per step")
     skipped = sorted({note for r in rows for note in r["skipped"]})

@@ -13,8 +13,8 @@ Where the nodes run:
   as Slurm goes (separate slurmd, separate job steps, PMI across nodes), but
   its ranks share one network stack and one host name, so MPI carries the
   "inter-node" bytes through shared memory or loopback.
-- With ``hosts`` (an :class:`hsgd.hosts.EmulatedHosts`, see
-  ``hsgd/hosts/__init__.py``), node ``n{i+1}`` is host ``i``: its slurmd runs
+- With ``hosts`` (an :class:`lab.hosts.EmulatedHosts`, see
+  ``lab/hosts/__init__.py``), node ``n{i+1}`` is host ``i``: its slurmd runs
   in that host's network and UTS namespaces (``hosts.exec_command``), with
   ``NodeAddr`` the host's address and ``NodeHostname`` its name, so a job's
   tasks on different nodes run on different hosts, each with its own
@@ -54,7 +54,7 @@ Needs root (slurmd runs jobs as their user and must be able to switch to it;
 emulated hosts need CAP_NET_ADMIN and CAP_SYS_ADMIN) and Debian's
 ``slurmctld slurmd slurm-client`` (see .ci/setup.sh).
 ``LocalSlurm.unavailable()`` says why a cluster cannot be started here, or
-returns None (``hsgd.hosts.missing_capability()`` says the same for hosts).
+returns None (``lab.hosts.missing_capability()`` says the same for hosts).
 Authentication is off (auth/none, cred/none): munge need not run. Keep the
 daemons out of reach of other machines: on loopback only 127.0.0.1 reaches
 them; on hosts, slurmd listens inside the hosts' namespaces, which have no
@@ -209,7 +209,7 @@ class _DaemonDied(SlurmError):
 
 class LocalSlurm:
     """A slurmctld and ``nodes`` slurmd, in a private temp dir: all on 127.0.0.1,
-    or, with ``hosts`` (an :class:`hsgd.hosts.EmulatedHosts` of at least
+    or, with ``hosts`` (an :class:`lab.hosts.EmulatedHosts` of at least
     ``nodes`` hosts, which the caller removes after :meth:`cleanup`), node
     ``n{i+1}``'s slurmd on host ``i`` and slurmctld on the hosts' bridge."""
 

@@ -1,7 +1,8 @@
-"""End to end: every ``python -m hsgd.bench`` subcommand at a tiny size, and its errors.
+"""End to end: every ``python -m hsgd.bench`` and ``python -m lab.bench`` subcommand at a tiny size, and its errors.
 
-Each smoke test runs one subcommand as a user would (it launches its own
-``mpiexec`` jobs), with 1-2 ranks, tiny sizes and 1-2 repeats, and checks
+``hsgd.bench`` (in the wheel) runs ``allreduce`` and ``train``; the lab beside the package
+(``lab.bench``, from the checkout) runs the rest. Each smoke test runs one subcommand as a
+user would (it launches its own ``mpiexec`` jobs), with 1-2 ranks, tiny sizes and 1-2 repeats, and checks
 that it ends with status 0, prints its table's header, reports progress on
 stderr, and writes JSON that parses and holds the raw measurements, one per
 repeat. Nothing here asserts on a timing. A bad option must give one
@@ -16,6 +17,10 @@ import pytest
 from mpirun import ROOT, run_command
 
 from hsgd.bench import SUBCOMMANDS
+from lab.bench import SUBCOMMANDS as LAB_SUBCOMMANDS
+
+# Where each subcommand runs: the package's own (allreduce, train), else the lab's.
+PACKAGE = {name: "hsgd.bench" if name in SUBCOMMANDS else "lab.bench" for name in LAB_SUBCOMMANDS}
 
 TRAIN = ["--mnist1d-samples", "2000", "--batch-size", "64"]  # passed on to hsgd.train
 
@@ -80,12 +85,28 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cache"))
 
 
-def bench(*args, timeout=180):
-    return run_command([sys.executable, "-m", "hsgd.bench", *args], timeout=timeout)
+def bench(name, *args, timeout=180):
+    return run_command([sys.executable, "-m", PACKAGE[name], name, *args], timeout=timeout)
 
 
 def test_every_subcommand_has_a_smoke_test():
-    assert sorted(SMOKE) == sorted(SUBCOMMANDS)
+    assert set(SUBCOMMANDS) <= set(LAB_SUBCOMMANDS)  # the lab runs the package's too, and across hosts
+    assert sorted(SMOKE) == sorted(LAB_SUBCOMMANDS)
+
+
+def test_the_package_runs_what_a_user_measures_on_their_cluster():
+    """``python -m hsgd.bench --help`` lists allreduce and train; the lab's subcommands are not there."""
+    proc = subprocess.run([sys.executable, "-m", "hsgd.bench", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("    ") and line.split()
+              and not line.startswith("     ")]
+    assert SUBCOMMANDS == ("allreduce", "train") and listed == list(SUBCOMMANDS), proc.stdout
+    lab = subprocess.run([sys.executable, "-m", "lab.bench", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert lab.returncode == 0, lab.stderr
+    assert [line.split()[0] for line in lab.stdout.splitlines() if line.startswith("    ") and line.split()
+            and not line.startswith("     ")] == list(LAB_SUBCOMMANDS), lab.stdout
 
 
 @pytest.mark.parametrize("name", list(SMOKE))
@@ -95,9 +116,9 @@ def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, ca
     proc = bench(name, *(o.format(cache=cache) for o in options), "--json", str(out), "--progress", "lines")
     assert proc.returncode == 0, proc.stderr
     assert header in proc.stdout.splitlines(), proc.stdout
-    assert f"hsgd.bench {name} [1/" in proc.stderr  # progress lines
+    assert f"{PACKAGE[name]} {name} [1/" in proc.stderr  # progress lines
     record = json.loads(out.read_text())
-    assert record["subcommand"] == name and record["command"].startswith(f"python -m hsgd.bench {name} ")
+    assert record["subcommand"] == name and record["command"].startswith(f"python -m {PACKAGE[name]} {name} ")
     assert header == "| " + " | ".join(record["tables"][0]["columns"]) + " |"
     assert record["tables"][0]["rows"] and record["environment"]["cpus"] >= 1
     measured = repeated(record["raw"])
@@ -155,9 +176,14 @@ def test_model_predicts_without_measuring_and_draws(tmp_path):
     (["gossip", "--balance"], "use --sync-balance"),
     (["gossip", "--hosts", "2", "--ranks-per-host", "1,0"], "2 ranks or more in all"),
     (["nosuch"], "argument SUBCOMMAND: invalid choice: 'nosuch'"),
+    (["hsgd.bench", "allreduce", "--hosts", "2"], "unrecognized arguments: --hosts 2"),  # emulated hosts: the lab's
+    (["hsgd.bench", "io"], "argument SUBCOMMAND: invalid choice: 'io'"),
+    (["hsgd.bench", "train", "--period", "3"], "argument --period: 3 is odd"),
 ])
 def test_a_bad_option_gives_one_error_and_exit_2(args, message):
-    proc = subprocess.run([sys.executable, "-m", "hsgd.bench", *args], cwd=ROOT, capture_output=True, text=True,
+    package = args[0] if args[0] == "hsgd.bench" else PACKAGE.get(args[0], "lab.bench")
+    args = args[1:] if args[0] == "hsgd.bench" else args
+    proc = subprocess.run([sys.executable, "-m", package, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)  # launches nothing
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]

@@ -3,7 +3,7 @@
 tests/e2e/slurm_cluster.py starts a slurmctld and three slurmd (nodes n1..n3)
 for this module, and every test submits one of scripts/slurm/*.sbatch with
 sbatch and polls the job to its end. Each slurmd runs on a host of its own
-(hsgd.hosts: network and UTS namespaces, 1 Gbit/s links to a bridge, where
+(lab.hosts: network and UTS namespaces, 1 Gbit/s links to a bridge, where
 slurmctld listens), so the ranks of a multi-node job run on different hosts,
 each with its own host name and network stack, hsgd finds those hosts as its
 nodes (MPI_COMM_TYPE_SHARED; HSGD_EMULATED_NODES is not set), and MPI's bytes
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import pytest
 
-from hsgd.hosts import EmulatedHosts, HostsUnavailable, missing_capability
+from lab.hosts import EmulatedHosts, HostsUnavailable, missing_capability
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_cluster import LocalSlurm, SlurmError  # noqa: E402

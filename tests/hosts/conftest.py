@@ -1,9 +1,9 @@
-"""Layer 4: hosts emulated on this machine (:mod:`hsgd.hosts`), a real TCP network between nodes.
+"""Layer 4: hosts emulated on this machine (:mod:`lab.hosts`), a real TCP network between nodes.
 
 Every test here gets its hosts from the ``emulated_hosts`` factory, which
 removes them (with every process on them) however the test ends; a test
 process killed outright leaves them to the guard process of
-:class:`~hsgd.hosts.EmulatedHosts`. Making hosts needs root (network and UTS
+:class:`~lab.hosts.EmulatedHosts`. Making hosts needs root (network and UTS
 namespaces): elsewhere these tests skip with the reason, except under
 ``CI=true``, where a missing capability fails them.
 """
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from hsgd.hosts import EmulatedHosts, HostsUnavailable
+from lab.hosts import EmulatedHosts, HostsUnavailable
 
 IN_CI = os.environ.get("CI", "").strip().lower() == "true"
 

@@ -1,4 +1,4 @@
-"""hsgd.hosts as the tests and benchmarks use it: separate nodes, real links, unique names,
+"""lab.hosts as the tests and benchmarks use it: separate nodes, real links, unique names,
 nothing left behind however the owner ends."""
 
 import json
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from mpirun import ROOT, mpi_env, mpi_flavour, run_command
 
-from hsgd.hosts import EmulatedHosts, HostsError
-from hsgd.hosts._net import STATE_ROOT
+from lab.hosts import EmulatedHosts, HostsError
+from lab.hosts._net import STATE_ROOT
 
 JOB = str(Path(__file__).with_name("allreduce_job.py"))
 MB = 1 << 20
@@ -97,7 +97,7 @@ def test_a_killed_owner_leaves_nothing_behind(emulated_hosts):
     marker = f"300.{os.getpid()}"  # a sleep of this test's own: another `sleep 300` on the machine is not ours
     owner = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
-        "from hsgd.hosts import EmulatedHosts\n"
+        "from lab.hosts import EmulatedHosts\n"
         "hosts = EmulatedHosts(2)\n"
         f"subprocess.Popen(hosts.exec_command(0, ['sleep', '{marker}']))\n"
         "print(hosts.id, flush=True)\n"
@@ -139,7 +139,7 @@ def test_without_root_the_command_says_why(tmp_path):
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run the command without capabilities")
     proc = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-m",
-                           "hsgd.hosts", "run", "--", "true"], cwd=ROOT, capture_output=True, text=True,
+                           "lab.hosts", "run", "--", "true"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "HOME": str(tmp_path)})
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().startswith("error: emulated hosts need root"), proc.stderr
@@ -147,7 +147,7 @@ def test_without_root_the_command_says_why(tmp_path):
 
 def test_the_command_runs_a_job_and_reports_the_links(emulated_hosts):
     emulated_hosts()
-    proc = subprocess.run([sys.executable, "-m", "hsgd.hosts", "run", "--hosts", "2", "--ranks-per-host", "2,1",
+    proc = subprocess.run([sys.executable, "-m", "lab.hosts", "run", "--hosts", "2", "--ranks-per-host", "2,1",
                            "--link", "1gbit,100mbit", "--", sys.executable, JOB, "2", str(MB)], cwd=ROOT,
                           capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
@@ -174,9 +174,9 @@ def test_the_command_runs_a_job_and_reports_the_links(emulated_hosts):
      "| wire limit s | of the wire limit |"),
 ])  # model: test_the_model_measures_the_many_to_many_efficiency_from_three_hosts
 def test_the_benchmarks_run_across_hosts(emulated_hosts, name, options, header):
-    """``python -m hsgd.bench SUBCOMMAND --hosts 2``, as a user runs it (no timing asserted)."""
+    """``python -m lab.bench SUBCOMMAND --hosts 2``, as a user runs it (no timing asserted)."""
     emulated_hosts()  # the capability check
-    proc = subprocess.run([sys.executable, "-m", "hsgd.bench", name, *options, "--hosts", "2", "--ranks-per-host",
+    proc = subprocess.run([sys.executable, "-m", "lab.bench", name, *options, "--hosts", "2", "--ranks-per-host",
                            "1", "--link", "1gbit", "--progress", "lines"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=mpi_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -185,10 +185,10 @@ def test_the_benchmarks_run_across_hosts(emulated_hosts, name, options, header):
 
 
 def test_the_model_measures_the_many_to_many_efficiency_from_three_hosts(emulated_hosts):
-    """``python -m hsgd.bench model --hosts 3`` as a user runs it: from 3 hosts on it fits ``eta``
+    """``python -m lab.bench model --hosts 3`` as a user runs it: from 3 hosts on it fits ``eta``
     (a fan exchange between the hosts) and validates with it (no timing asserted)."""
     emulated_hosts()
-    proc = subprocess.run([sys.executable, "-m", "hsgd.bench", "model", "--validate", "--validate-sizes", "64",
+    proc = subprocess.run([sys.executable, "-m", "lab.bench", "model", "--validate", "--validate-sizes", "64",
                            "--params", "1e3", "--nodes", "3", "--ranks-per-node", "1", "--repeats", "1",
                            "--warmup", "0", "--hosts", "3", "--ranks-per-host", "1", "--link", "1gbit",
                            "--progress", "lines"],
@@ -202,3 +202,19 @@ def test_the_model_measures_the_many_to_many_efficiency_from_three_hosts(emulate
     assert ("| nodes x ranks/node | floats | strategy | predicted ms | measured ms | error | bytes as modelled |"
             in proc.stdout.splitlines()), proc.stdout
     assert "3 emulated hosts (1+1+1 ranks, links 1gbit, TCP)" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("script,arguments", [
+    ("gossip_rounds.py", ["1e4", "1"]),
+    ("concurrent_streams.py", ["1e4", "1", "shift"]),
+    ("concurrent_streams.py", ["1e4", "1", "fans"]),
+])
+def test_the_labs_measuring_scripts_run_across_hosts(emulated_hosts, script, arguments):
+    """``lab/scripts/``, as their docstrings run them: one command from the clone, tiny sizes (no timing
+    asserted)."""
+    emulated_hosts()  # the capability check
+    proc = subprocess.run([sys.executable, "-m", "lab.hosts", "run", "--hosts", "2", "--ranks-per-host", "2",
+                           "--link", "1gbit", "--", sys.executable, f"lab/scripts/{script}", *arguments],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180, env=mpi_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "median" in proc.stdout, proc.stdout

@@ -1,12 +1,12 @@
-"""The cost model of ``python -m hsgd.bench model``: its formulas in closed form, its bytes as hsgd counts them."""
+"""The cost model of ``python -m lab.bench model``: its formulas in closed form, its bytes as hsgd counts them."""
 
 import math
 
 import pytest
 
 from hsgd._core.traffic import allreduce_bytes
-from hsgd.bench import _costs
 from hsgd.remote.memory import DEFAULT_CHUNK_BYTES
+from lab.bench import _costs
 
 M = _costs.Machine(latency=2e-6, bandwidth=10e9, intra_latency=1e-6, intra_bandwidth=4e9,
                    local_latency=0.5e-6, local_bandwidth=5e9)
@@ -65,8 +65,8 @@ def test_bytes_are_what_traffic_counts(nodes, k):
 
 
 def test_the_model_knows_hsgds_chunk():
-    from hsgd.bench import model
     from hsgd.inter_node import CHUNK_BYTES
+    from lab.bench import model
 
     assert model.CHUNK_BYTES == CHUNK_BYTES
 

@@ -1,9 +1,9 @@
-"""hsgd.hosts without making hosts: rates, and what bad arguments get (no root needed)."""
+"""lab.hosts without making hosts: rates, and what bad arguments get (no root needed)."""
 
 import pytest
 
-from hsgd.hosts import EmulatedHosts, format_rate, parse_rate
-from hsgd.hosts.__main__ import main
+from lab.hosts import EmulatedHosts, format_rate, parse_rate
+from lab.hosts.__main__ import main
 
 
 @pytest.mark.parametrize("text,bits", [("1gbit", 10 ** 9), ("100mbit", 10 ** 8), ("2.5Gbit", 25 * 10 ** 8),
@@ -43,4 +43,4 @@ def test_the_command_refuses_bad_options_with_one_error_line(argv, text, capsys)
         main(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("python -m hsgd.hosts") and text in err[-1], err
+    assert err[-1].startswith("python -m lab.hosts") and text in err[-1], err

@@ -45,3 +45,33 @@ def test_the_torch_and_numpy_floors_are_the_versions_ci_runs():
     def version(text):
         return tuple(int(part) for part in text.split("+")[0].split("."))
     assert version(_pins("constraints.txt")["torch"]) >= version(floors["torch"])
+
+
+def _wheel_files():
+    """The Python files the wheel holds, as setuptools finds its packages (setup.cfg: hsgd, hsgd.*):
+    {path relative to the checkout: lines}."""
+    packages = find_packages(str(ROOT), include=["hsgd", "hsgd.*"])
+    return {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+            for package in packages for path in sorted((ROOT / package.replace(".", "/")).glob("*.py"))}
+
+
+def test_the_wheel_holds_the_library_and_a_small_benchmark_not_the_lab():
+    """The lab (lab/: the investigations, the cost model's fit, the emulated hosts) stays out of the
+    wheel; the benchmarks a user runs on their own cluster (hsgd.bench) are at most 10% of its lines."""
+    files = _wheel_files()
+    listing = "\n".join(f"{lines:6d} {path}" for path, lines in sorted(files.items()))
+    packages = {path.rsplit("/", 1)[0].replace("/", ".") for path in files}
+    assert "hsgd.hosts" not in packages and not any(p.startswith("lab") for p in packages), listing
+    assert "hsgd.bench" in packages and "hsgd/bench/__main__.py" in files, listing
+    bench = sum(lines for path, lines in files.items() if path.startswith("hsgd/bench/"))
+    total = sum(files.values())
+    assert bench <= 0.10 * total, f"benchmark code is {bench} of {total} lines ({bench / total:.1%}):\n{listing}"
+
+
+def test_the_package_never_imports_the_lab():
+    """hsgd/ imports no ``lab`` module (the lab imports hsgd, never the other way)."""
+    import re
+
+    importing = [str(path.relative_to(ROOT)) for path in (ROOT / "hsgd").rglob("*.py")
+                 if re.search(r"^\s*(from|import)\s+lab\b", path.read_text(), re.MULTILINE)]
+    assert importing == []

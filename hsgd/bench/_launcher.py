@@ -1,9 +1,9 @@
 """Starting MPI jobs on this machine: one launcher for MPICH and Open MPI, no job left running.
 
-The one launcher of the tools: :mod:`hsgd.hosts` (the ``mpiexec`` and its flavour),
-``hsgd.bench`` (every job it starts) and the tests (``tests/mpirun.py``) start their
-jobs through it: :func:`mpiexec` (the one next to this Python, else on ``PATH``),
-:func:`mpi_flavour`, :func:`mpi_command` (Open MPI gets ``--oversubscribe``: more
+The one launcher of the tools: ``hsgd.bench`` (every job it starts), the lab beside the
+package (``lab.bench``, and ``lab.hosts`` for the ``mpiexec`` and its flavour) and the
+tests (``tests/mpirun.py``) start their jobs through it: :func:`mpiexec` (the one next
+to this Python, else on ``PATH``), :func:`mpi_flavour`, :func:`mpi_command` (Open MPI gets ``--oversubscribe``: more
 ranks than cores is the point of some runs), :func:`mpi_env`, and :func:`run_job` (or
 :func:`start` then :func:`wait`).
 

@@ -2,10 +2,10 @@
 
 One command (the table in docs/reliability.md)::
 
-    python -m hsgd.bench faults                       # 3 ranks; about 3 minutes
-    python -m hsgd.bench faults --ranks 4
-    python -m hsgd.bench faults --rows raise kill-rank   # some rows only
-    python -m hsgd.bench faults --hosts 2 --ranks-per-host 2   # as root: across emulated hosts
+    python -m lab.bench faults                       # 3 ranks; about 3 minutes
+    python -m lab.bench faults --ranks 4
+    python -m lab.bench faults --rows raise kill-rank   # some rows only
+    python -m lab.bench faults --hosts 2 --ranks-per-host 2   # as root: across emulated hosts
 
 Each row starts one job, injects one fault and records the exit status, what the job
 printed about it, the seconds from the fault to the end of the job and the files the
@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Dict
 
-from ..hosts import _launcher
-from ._harness import Progress, Result, Table, int_at_least
+from hsgd.bench import _launcher
+from hsgd.bench._harness import Progress, Result, Table, int_at_least
+
 from ._launch import add_hosts_options, check_hosts_options, job, placement
 
 LOOP = """
@@ -78,7 +79,7 @@ def check(args, extra, parser) -> None:
 def run(args, extra) -> Result:
     raw = []
     with tempfile.TemporaryDirectory() as tmp, placement(args) as where, \
-            Progress(len(args.rows), "hsgd.bench faults", args.progress) as progress:
+            Progress(len(args.rows), "lab.bench faults", args.progress) as progress:
         jobs = Jobs(args.ranks, where)
         for key in args.rows:
             fault, injected, test, (code, err, seconds, left) = ROWS[key](jobs, Path(tmp))
@@ -192,7 +193,7 @@ def _damaged_checkpoint(jobs, tmp):
     common = [*_train(tmp), "--run-dir", str(tmp / "damaged"), "--save-every", "10"]
     code, err, _, _ = jobs.run([*common, "--stop-after", "20"])
     if code != 0:
-        sys.exit(f"hsgd.bench faults: the run to damage a checkpoint of failed:\n{err[-3000:]}")
+        sys.exit(f"lab.bench faults: the run to damage a checkpoint of failed:\n{err[-3000:]}")
     newest = sorted((tmp / "damaged" / "checkpoints").glob("ckpt-*.pt"))[-1]
     newest.write_bytes(newest.read_bytes()[:1000])
     return ("newest checkpoint truncated", f"{newest.name} cut to 1000 bytes, then --resume",

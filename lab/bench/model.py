@@ -2,14 +2,14 @@
 
 ::
 
-    python -m hsgd.bench model                        # 1..4096 nodes x 1..128 ranks, two models
-    python -m hsgd.bench model --params 2.56e7 --nodes 64 256 --ranks-per-node 8 \
+    python -m lab.bench model                        # 1..4096 nodes x 1..128 ranks, two models
+    python -m lab.bench model --params 2.56e7 --nodes 64 256 --ranks-per-node 8 \
         --latency 1.5e-6 --bandwidth 25e9 --png model.png
-    python -m hsgd.bench model --validate             # predicted vs measured on this machine
-    python -m hsgd.bench model --validate --hosts 2 --ranks-per-host 2 --link 1gbit   # as root: across hosts
+    python -m lab.bench model --validate             # predicted vs measured on this machine
+    python -m lab.bench model --validate --hosts 2 --ranks-per-host 2 --link 1gbit   # as root: across hosts
 
 For every model size and every ``--nodes`` x ``--ranks-per-node``, the alpha-beta model
-of :mod:`hsgd.bench._costs` predicts one step's communication for a flat ring, hsgd's
+of :mod:`lab.bench._costs` predicts one step's communication for a flat ring, hsgd's
 ``leader`` and ``sharded``, gossip and the parameter box, on the network ``--latency``
 and ``--bandwidth`` and this machine's speed inside a node (fitted at the start unless
 given). ``--validate`` measures them here beside the predictions; across emulated hosts
@@ -23,8 +23,7 @@ import math
 from pathlib import Path
 from typing import Any, Dict, Union
 
-from . import _costs
-from ._harness import (
+from hsgd.bench._harness import (
     Progress,
     Result,
     Table,
@@ -34,6 +33,8 @@ from ._harness import (
     non_negative_float,
     positive_float,
 )
+
+from . import _costs
 from ._launch import add_hosts_options, check_hosts_options, placement, run_workers
 from ._links import link_rates, on_hosts
 from ._model_worker import HOST_MEASURED, MEASURED, worker  # noqa: F401 (worker: what every rank runs)
@@ -125,7 +126,7 @@ def run(args, extra) -> Result:
     measured: Dict[Union[int, str], Any] = {}  # the workers' JSON, by ranks or "hosts"
     network = None
     steps = len(jobs) + hosts + 1 + (args.png is not None)
-    with Progress(steps, "hsgd.bench model", args.progress) as progress:
+    with Progress(steps, "lab.bench model", args.progress) as progress:
         for ranks in jobs:  # on this host: the node's parameters (and --validate's configurations)
             measured[ranks] = run_workers("model", ranks, args._argv, timeout=1800,
                                           drop_env=["HSGD_RANKS_PER_NODE"])
@@ -249,7 +250,7 @@ def _grid_table(args, predictions, machine, network) -> Table:
     stream = "" if args.stream_bandwidth is None else f", {args.stream_bandwidth / 1e9:g} GB/s per rank"
     where = "" if network is None else f" (measured across {args.hosts} emulated hosts, links {args.link})"
     return Table(COLUMNS, rows, title=(
-        f"Predicted communication per step (alpha-beta model, hsgd/bench/_costs.py): network "
+        f"Predicted communication per step (alpha-beta model, lab/bench/_costs.py): network "
         f"{machine.latency * 1e6:.3g} us, {_rate(machine.bandwidth)} per node{where}{stream}; "
         f"{args.dtype_bytes}-byte elements; a gossiping rank sends its model in "
         f"{'every round' if args.gossip_rate == 1 else f'{args.gossip_rate:g} of the rounds'}"),
@@ -342,7 +343,7 @@ def _bytes_match(row, name) -> str:
 # --- the picture --------------------------------------------------------------------------------
 
 def _draw(args, predictions, path: Path, machine) -> None:
-    from .._trainer.plots import new_figure
+    from hsgd._trainer.plots import new_figure
 
     fig = new_figure()
     sizes, ks = list(dict.fromkeys(args.params)), list(dict.fromkeys(args.ranks_per_node))

@@ -1,8 +1,8 @@
 """The guard of a run of emulated hosts: removes them if their owner dies without doing so.
 
-Started by :class:`hsgd.hosts.EmulatedHosts` before any host is made, in a
+Started by :class:`lab.hosts.EmulatedHosts` before any host is made, in a
 session of its own (a signal to the owner's process group does not reach
-it), as ``python -m hsgd.hosts._guard STATE_DIR`` with a pipe on its stdin
+it), as ``python -m lab.hosts._guard STATE_DIR`` with a pipe on its stdin
 whose other end only the owner holds. It blocks reading that pipe: the owner
 writes ``done`` once it has removed the hosts itself; end of file without
 ``done`` means the owner died (a SIGKILL, a timeout that killed the test
@@ -27,7 +27,7 @@ def main(state_dir: str) -> int:
         return 0
     failed = teardown(json.loads(path.read_text()))
     if failed:
-        sys.stderr.write(f"hsgd.hosts guard: could not remove {', '.join(failed)}\n")
+        sys.stderr.write(f"lab.hosts guard: could not remove {', '.join(failed)}\n")
         return 1
     return 0
 

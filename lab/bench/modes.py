@@ -2,10 +2,10 @@
 
 One command::
 
-    python -m hsgd.bench modes            # 4 ranks, sync/elastic/async: every part
-    python -m hsgd.bench modes --part straggler --ranks 2 --modes sync async
-    python -m hsgd.bench modes --part balance --batch-size 2048   # unknown options go to hsgd.train
-    python -m hsgd.bench modes --part accuracy --hosts 2 --ranks-per-host 2   # as root: across hosts
+    python -m lab.bench modes            # 4 ranks, sync/elastic/async: every part
+    python -m lab.bench modes --part straggler --ranks 2 --modes sync async
+    python -m lab.bench modes --part balance --batch-size 2048   # unknown options go to hsgd.train
+    python -m lab.bench modes --part accuracy --hosts 2 --ranks-per-host 2   # as root: across hosts
 
 Every run is ``mpiexec -n RANKS python -m hsgd.train --sync MODE`` on the default
 MNIST-1D run, one at a time. ``accuracy``: one run per mode; ``straggler``: short runs
@@ -19,7 +19,8 @@ import statistics
 import tempfile
 from typing import Dict, List
 
-from ._harness import Progress, Result, Table, int_at_least, median, positive_float
+from hsgd.bench._harness import Progress, Result, Table, int_at_least, median, positive_float
+
 from ._launch import check_hosts_options, placement
 from ._training import Runs, add_run_options
 
@@ -50,7 +51,7 @@ def run(args, extra) -> Result:
              "balance": 2 * args.repeats}
     tables, raw = [], {}
     with tempfile.TemporaryDirectory() as tmp, placement(args) as where, \
-            Progress(args.warmup + sum(count[p] for p in parts), "hsgd.bench modes", args.progress) as progress:
+            Progress(args.warmup + sum(count[p] for p in parts), "lab.bench modes", args.progress) as progress:
         ranks = args.ranks if where is None else where.ranks
         train = Runs(ranks, tmp, args.cache_dir, extra, args.warmup, progress, where=where)
         for part in parts:

@@ -1,6 +1,6 @@
 """Inside a benchmark's workers on emulated hosts: the link counters, the wire limit, and gloo.
 
-A worker started across hosts (``--hosts``, :class:`hsgd.bench._launch.Placement`)
+A worker started across hosts (``--hosts``, :class:`lab.bench._launch.Placement`)
 runs in its host's network namespace, where ``eth0`` is the host's end of its
 link: :class:`LinkMeter` reads what crossed it during a timed window (on one
 rank per host, gathered to rank 0), so that a benchmark prints, next to each

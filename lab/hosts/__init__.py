@@ -4,8 +4,8 @@ On one machine MPI carries "inter-node" bytes through shared memory unless the n
 are real hosts with their own network stacks. :class:`EmulatedHosts` makes them out
 of Linux namespaces (root only): each host has its own network namespace, hostname and
 address, and reaches the others through a shaped link and a bridge
-(:mod:`hsgd.hosts._net`); MPI starts ranks on them with TCP forced between hosts
-(:mod:`hsgd.hosts._mpi`), through :mod:`hsgd.hosts._launcher`, the launcher that
+(:mod:`lab.hosts._net`); MPI starts ranks on them with TCP forced between hosts
+(:mod:`lab.hosts._mpi`), through :mod:`hsgd.bench._launcher`, the launcher that
 ``hsgd.bench`` and the tests use too. docs/hosts.md. Example (as root)::
 
     >>> with EmulatedHosts(2, link="1gbit") as hosts:
@@ -22,8 +22,9 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Union
 
+from hsgd.bench._launcher import mpi_flavour, mpiexec
+
 from . import _net
-from ._launcher import mpi_flavour, mpiexec
 from ._mpi import launch_command, tcp_env, write_rsh
 from ._net import HostsError, HostsUnavailable, format_rate, missing_capability, parse_rate
 
@@ -56,7 +57,7 @@ class EmulatedHosts:
     Names are unique per run (a random id in every namespace, interface and hostname), so
     runs beside each other do not collide. The hosts are removed, with every process on
     them, by :meth:`close` (the context manager's exit), and by a guard process if the
-    owner dies without closing (:mod:`hsgd.hosts._guard`); ``python -m hsgd.hosts clean``
+    owner dies without closing (:mod:`lab.hosts._guard`); ``python -m lab.hosts clean``
     removes what a run whose owner and guard both died left.
 
     Raises :class:`HostsUnavailable` (with the reason) where namespaces cannot be made,
@@ -80,7 +81,7 @@ class EmulatedHosts:
         self._state = state
         try:
             if guard:
-                self._guard = subprocess.Popen([sys.executable, "-m", "hsgd.hosts._guard", state["dir"]],
+                self._guard = subprocess.Popen([sys.executable, "-m", "lab.hosts._guard", state["dir"]],
                                                stdin=subprocess.PIPE, text=True, start_new_session=True)
             _net.make(state)
             self.rsh = write_rsh(state)
@@ -111,7 +112,7 @@ class EmulatedHosts:
 
     def tcp_env(self, launcher: Optional[str] = None) -> Dict[str, str]:
         """Environment variables that keep the MPI's bytes between the hosts on TCP (add them to
-        the job's environment); see :mod:`hsgd.hosts._mpi`."""
+        the job's environment); see :mod:`lab.hosts._mpi`."""
         return tcp_env(mpi_flavour(launcher))
 
     def exec_command(self, host: int, args: Sequence[str]) -> List[str]:
@@ -175,7 +176,7 @@ class EmulatedHosts:
         if failed:
             assert state is not None  # only a run's teardown fails
             raise HostsError(f"could not remove {', '.join(failed)} (run {state['id']}); "
-                             "'python -m hsgd.hosts clean' tries again")
+                             "'python -m lab.hosts clean' tries again")
 
     def __enter__(self) -> EmulatedHosts:
         return self

@@ -3,9 +3,9 @@
 One command runs everything (it launches ``mpiexec`` itself for each rank
 count)::
 
-    python -m hsgd.bench box                          # 2 and 4 ranks, 1M and 10M floats
-    python -m hsgd.bench box --ranks 4 --sizes 1e7 --repeats 3 --seconds 2
-    python -m hsgd.bench box --hosts 2 --ranks-per-host 1 --link 1gbit   # as root: across hosts
+    python -m lab.bench box                          # 2 and 4 ranks, 1M and 10M floats
+    python -m lab.bench box --ranks 4 --sizes 1e7 --repeats 3 --seconds 2
+    python -m lab.bench box --hosts 2 --ranks-per-host 1 --link 1gbit   # as root: across hosts
 
 In the same MPI job, side by side, for ``--seconds`` per repeat: a server on rank 0
 that receives gradients and sends weights back (``PS``), and workers that
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import time
 
-from ._harness import Result, Table, add_repeat_options, int_at_least, median, positive_float, repeat
+from hsgd.bench._harness import Result, Table, add_repeat_options, int_at_least, median, positive_float, repeat
+
 from ._launch import add_hosts_options, check_hosts_options, run_per_rank_count
 from ._links import LinkMeter, link_rates, on_hosts
 

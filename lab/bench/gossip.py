@@ -2,9 +2,9 @@
 
 One command::
 
-    python -m hsgd.bench gossip                       # 4 ranks, 30 epochs
-    python -m hsgd.bench gossip --thetas 0.01 0.03 --epochs 10
-    python -m hsgd.bench gossip --hosts 2 --ranks-per-host 2 --link 100mbit,1gbit --sync-balance \
+    python -m lab.bench gossip                       # 4 ranks, 30 epochs
+    python -m lab.bench gossip --thetas 0.01 0.03 --epochs 10
+    python -m lab.bench gossip --hosts 2 --ranks-per-host 2 --link 100mbit,1gbit --sync-balance \
         --epochs 3 --model mlp --width 1000        # as root: across emulated hosts, a wide MLP
 
 Every run is ``mpiexec -n RANKS python -m hsgd.train`` on the default MNIST-1D run,
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import tempfile
 
-from ._harness import Progress, Result, Table, int_at_least
+from hsgd.bench._harness import Progress, Result, Table, int_at_least
+
 from ._launch import check_hosts_options, placement
 from ._links import link_rates, wire_limit
 from ._training import Runs, add_run_options
@@ -51,7 +52,7 @@ def run(args, extra) -> Result:
     runs = []
     count = args.warmup + 2 + len(args.thetas) + args.sync_balance + bool(args.hosts)
     with tempfile.TemporaryDirectory() as tmp, placement(args) as where, \
-            Progress(count, "hsgd.bench gossip", args.progress) as progress:
+            Progress(count, "lab.bench gossip", args.progress) as progress:
         ranks = args.ranks if where is None else where.ranks
         train = Runs(ranks, tmp, args.cache_dir, extra, args.warmup, progress, where=where)
         epoch_options = ["--epochs", str(args.epochs)]

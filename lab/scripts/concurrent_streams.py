@@ -3,12 +3,12 @@
 The figures in docs/benchmarks.md ("What the cells that miss are made of") come from this
 script, run across emulated hosts (root):
 
-    python -m hsgd.hosts run --hosts 2 --ranks-per-host 2 --link 1gbit -- \
-        python scripts/concurrent_streams.py 16e6 9 shift
-    python -m hsgd.hosts run --hosts 3 --ranks-per-host 1 --link 100mbit -- \
-        python scripts/concurrent_streams.py 1.33e6 9 fan
-    python -m hsgd.hosts run --hosts 2 --ranks-per-host 2 --link 1gbit -- \
-        python scripts/concurrent_streams.py 16e6 15 header
+    python -m lab.hosts run --hosts 2 --ranks-per-host 2 --link 1gbit -- \
+        python lab/scripts/concurrent_streams.py 16e6 9 shift
+    python -m lab.hosts run --hosts 3 --ranks-per-host 1 --link 100mbit -- \
+        python lab/scripts/concurrent_streams.py 1.33e6 9 fan
+    python -m lab.hosts run --hosts 2 --ranks-per-host 2 --link 1gbit -- \
+        python lab/scripts/concurrent_streams.py 16e6 15 header
 
 Arguments: BYTES (per stream), REPEATS (timed, after one untimed), MODE:
 
@@ -19,7 +19,7 @@ Arguments: BYTES (per stream), REPEATS (timed, after one untimed), MODE:
 - ``shiftp``, ``fanp``: the same, completed by ``Testall`` and 200 us sleeps instead of a
   blocking wait (the ranks leave the cores to the TCP stack and to each other);
 - ``fans``: ``fan`` with every send started before any receive, hsgd's polite wait (what
-  ``python -m hsgd.bench model --hosts N`` times for the model's ``eta``);
+  ``python -m lab.bench model --hosts N`` times for the model's ``eta``);
 - ``header``: the ``shift`` pairs in gossip's round before 2026-11-24 (h): a 16-byte header
   each way first, the model's receive posted once the header is in (hsgd's polite wait);
 - ``framed``: the same pairs in gossip's round since: one message, the header in front of

@@ -3,8 +3,8 @@
 The round-by-round figures in docs/benchmarks.md (the cost model against emulated links,
 gossip at 2 hosts x 2 ranks) come from this script, run across emulated hosts (root):
 
-    python -m hsgd.hosts run --hosts 2 --ranks-per-host 2 --link 1gbit -- \\
-        python scripts/gossip_rounds.py 4e6 9
+    python -m lab.hosts run --hosts 2 --ranks-per-host 2 --link 1gbit -- \\
+        python lab/scripts/gossip_rounds.py 4e6 9
 
 Arguments: FLOATS (the model's float32 elements), REPEATS (timed cycles of the graph's
 rounds, after one untimed). Every rank sends in every round (theta 0), learning rate 0; a

@@ -2,9 +2,9 @@
 
 One command (each run is ``mpiexec -n RANKS python -m hsgd.train``)::
 
-    python -m hsgd.bench diloco                         # 4 ranks as 2 virtual nodes, the gpt workload
-    python -m hsgd.bench diloco --period 4 8 --fragments 4 --epochs 2
-    python -m hsgd.bench diloco --hosts 2 --ranks-per-host 2 --link 1gbit   # as root: across hosts
+    python -m lab.bench diloco                         # 4 ranks as 2 virtual nodes, the gpt workload
+    python -m lab.bench diloco --period 4 8 --fragments 4 --epochs 2
+    python -m lab.bench diloco --hosts 2 --ranks-per-host 2 --link 1gbit   # as root: across hosts
 
 Every run trains the same model on the same data for the same number of steps, one
 run at a time: ``sync``, ``local H``, ``diloco H`` and ``streaming H/F``; options this
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import tempfile
 
-from ._harness import Progress, Result, Table, int_at_least, positive_float
+from hsgd.bench._harness import Progress, Result, Table, int_at_least, positive_float
+
 from ._launch import check_hosts_options, placement
 from ._training import Runs, add_run_options
 
@@ -62,7 +63,7 @@ def run(args, extra) -> Result:
     runs = list(_runs(args))
     rows = []
     with tempfile.TemporaryDirectory() as tmp, placement(args) as where, \
-            Progress(args.warmup + len(runs), "hsgd.bench diloco", args.progress) as progress:
+            Progress(args.warmup + len(runs), "lab.bench diloco", args.progress) as progress:
         ranks = args.ranks if where is None else where.ranks
         common = [*WORKLOAD, "--epochs", str(args.epochs), "--log-every", "1", *extra]
         if where is None:

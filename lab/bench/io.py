@@ -4,13 +4,13 @@ One command runs everything: it writes two HDF5 files of ``--gib`` GiB each, lau
 ``mpiexec -n R`` on itself for every R in ``--ranks``, prints a markdown table and
 removes the files::
 
-    python -m hsgd.bench io                         # 1 GiB files, 1/2/4 ranks, 3 repeats
-    python -m hsgd.bench io --dir /scratch/me --gib 4
-    python -m hsgd.bench io --gib 0.05 --repeats 1 --bounded-seconds 1   # smoke test
+    python -m lab.bench io                         # 1 GiB files, 1/2/4 ranks, 3 repeats
+    python -m lab.bench io --dir /scratch/me --gib 4
+    python -m lab.bench io --gib 0.05 --repeats 1 --bounded-seconds 1   # smoke test
 
 Per rank count, file and cache state (cold or warm), the median aggregate samples/s
 of :class:`hsgd.parallel_io.ContiguousH5Loader`, a per-sample ``DataLoader``, h5py
-fancy indexing and raw contiguous reads (the readers: :mod:`hsgd.bench._readers`).
+fancy indexing and raw contiguous reads (the readers: :mod:`lab.bench._readers`).
 What each column is: docs/benchmark-methods.md (``io``).
 """
 
@@ -25,7 +25,17 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict
 
-from ._harness import Progress, Result, Table, add_repeat_options, int_at_least, median, positive_float, repeat
+from hsgd.bench._harness import (
+    Progress,
+    Result,
+    Table,
+    add_repeat_options,
+    int_at_least,
+    median,
+    positive_float,
+    repeat,
+)
+
 from ._launch import run_workers
 
 SHAPES = {"40 f32": (40,), "3x32x32 f32": (3, 32, 32)}
@@ -70,7 +80,7 @@ def run(args, extra) -> Result:
 
     base = Path(tempfile.mkdtemp(prefix="hsgd-bench-io-", dir=args.dir))
     try:
-        with Progress(len(SHAPES) + len(args.ranks), "hsgd.bench io", args.progress) as progress:
+        with Progress(len(SHAPES) + len(args.ranks), "lab.bench io", args.progress) as progress:
             files, sizes = {}, {}
             for kind, shape in SHAPES.items():
                 path = base / f"{kind.split()[0]}.h5"

@@ -2,8 +2,8 @@
 
 One command (each run is ``mpiexec -n RANKS python -m hsgd.train``)::
 
-    python -m hsgd.bench lars                         # 4 ranks, 50 000 samples
-    python -m hsgd.bench lars --epochs-4096 60 --lars-warmup 10
+    python -m lab.bench lars                         # 4 ranks, 50 000 samples
+    python -m lab.bench lars --epochs-4096 60 --lars-warmup 10
 
 All runs train the MNIST-1D CNN on the same generated data with warm-up then poly
 decay: ``sgd-256``, ``sgd-4096-scaled`` (the linear scaling rule) and ``lars-4096``,
@@ -18,7 +18,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from ._harness import Progress, Result, Table, int_at_least, positive_float
+from hsgd.bench._harness import Progress, Result, Table, int_at_least, positive_float
+
 from ._training import Runs
 
 RUNS = ("sgd-256", "sgd-4096-scaled", "lars-4096")
@@ -80,7 +81,7 @@ def run(args, extra) -> Result:
     options = train_options(args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, \
-            Progress(args.warmup + len(args.runs), "hsgd.bench lars", args.progress) as progress:
+            Progress(args.warmup + len(args.runs), "lab.bench lars", args.progress) as progress:
         train = Runs(args.ranks, tmp, args.cache_dir, warmup=args.warmup, progress=progress,
                      warmup_options=options[args.runs[0]])
         for name in args.runs:

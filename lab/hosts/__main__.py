@@ -1,9 +1,9 @@
-"""``python -m hsgd.hosts``: run an MPI program across hosts emulated on this machine (root only).
+"""``python -m lab.hosts``: run an MPI program across hosts emulated on this machine (root only).
 
-    python -m hsgd.hosts run --hosts 2 --ranks-per-host 2 --link 1gbit -- python -m hsgd.train --epochs 1
-    python -m hsgd.hosts clean
+    python -m lab.hosts run --hosts 2 --ranks-per-host 2 --link 1gbit -- python -m hsgd.train --epochs 1
+    python -m lab.hosts clean
 
-``run`` makes the hosts (:class:`hsgd.hosts.EmulatedHosts`), starts the
+``run`` makes the hosts (:class:`lab.hosts.EmulatedHosts`), starts the
 program under ``mpiexec`` with its ranks spread over them and TCP forced
 between them, prints what every host sent and received over its link, and
 removes the hosts, whatever happens; its exit status is the job's.
@@ -19,8 +19,9 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence
 
+from hsgd.bench._launcher import mpi_flavour, root_env
+
 from . import MAX_HOSTS, EmulatedHosts, HostsError, HostsUnavailable, format_rate, parse_rate
-from ._launcher import mpi_flavour, root_env
 from ._net import STATE_ROOT, stale_runs, teardown
 
 __all__ = ["main"]
@@ -47,7 +48,7 @@ def _links(text: str) -> List[Optional[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hsgd.hosts", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lab.hosts", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="run an MPI program across emulated hosts",
@@ -92,14 +93,14 @@ def _run(args, parser) -> int:
         tcp = hosts.tcp_env(args.mpiexec)
         env = {**os.environ, **tcp, **root_env(mpi_flavour(args.mpiexec))}  # Open MPI, as root
         forced = " ".join(f"{k}={v}" for k, v in tcp.items())
-        print(f"hsgd.hosts: {len(hosts)} hosts, ranks {'+'.join(map(str, counts))}, TCP forced ({forced})",
+        print(f"lab.hosts: {len(hosts)} hosts, ranks {'+'.join(map(str, counts))}, TCP forced ({forced})",
               file=sys.stderr)
         for host in hosts.hosts:
-            print(f"hsgd.hosts:   {host.name}  {host.address}  link {format_rate(host.rate)}", file=sys.stderr)
+            print(f"lab.hosts:   {host.name}  {host.address}  link {format_rate(host.rate)}", file=sys.stderr)
         before = hosts.counters()
         code = subprocess.run(cmd, env=env).returncode
         for host, moved in zip(hosts.hosts, hosts.crossed(before)):
-            print(f"hsgd.hosts: {host.name} sent {moved['sent'] / 1e6:.1f} MB, received "
+            print(f"lab.hosts: {host.name} sent {moved['sent'] / 1e6:.1f} MB, received "
                   f"{moved['received'] / 1e6:.1f} MB over its link", file=sys.stderr)
     return code
 
@@ -108,7 +109,7 @@ def _clean() -> int:
     failed = []
     for state in stale_runs():
         left = teardown(state)
-        print(f"hsgd.hosts: run {state['id']}: " + (f"could not remove {', '.join(left)}" if left else "removed"))
+        print(f"lab.hosts: run {state['id']}: " + (f"could not remove {', '.join(left)}" if left else "removed"))
         failed += left
     return 1 if failed else 0
 

@@ -2,9 +2,9 @@
 
 One command (it launches ``mpiexec -n RANKS`` itself)::
 
-    python -m hsgd.bench stall                        # 4 ranks, an MLP of 1M parameters
-    python -m hsgd.bench stall --params 25000000 --steps 20
-    python -m hsgd.bench stall --hosts 2 --ranks-per-host 1 --link 1gbit --params 2000000   # as root
+    python -m lab.bench stall                        # 4 ranks, an MLP of 1M parameters
+    python -m lab.bench stall --params 25000000 --steps 20
+    python -m lab.bench stall --hosts 2 --ranks-per-host 1 --link 1gbit --params 2000000   # as root
 
 Two ``HierarchicalSGD`` wrappers over copies of one MLP, one with the
 inspector (``stall_timeout=60``: a store into the rank's own slot of the
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 
-from ._harness import Progress, Result, Table, add_repeat_options, int_at_least, median, repeat
+from hsgd.bench._harness import Progress, Result, Table, add_repeat_options, int_at_least, median, repeat
+
 from ._launch import add_hosts_options, check_hosts_options, placement, run_workers
 
 COLUMNS = ("stall inspector", "ms per step (each repeat)", "median", "on / off")
@@ -40,7 +41,7 @@ def check(args, extra, parser) -> None:
 
 
 def run(args, extra) -> Result:
-    with Progress(1, "hsgd.bench stall", args.progress) as progress, placement(args) as where:
+    with Progress(1, "lab.bench stall", args.progress) as progress, placement(args) as where:
         raw = run_workers("stall", args.ranks, args._argv, where=where)
         raw["where"] = "this host" if where is None else where.describe()
         progress.step(raw["where"])

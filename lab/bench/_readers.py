@@ -1,4 +1,4 @@
-"""The readers that ``python -m hsgd.bench io`` times, and its test files.
+"""The readers that ``python -m lab.bench io`` times, and its test files.
 
 Each ``time_*`` function runs on every rank of the job over the rank's
 shard, starts the clock after a barrier, and returns (samples read,

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from ._harness import int_at_least
+from hsgd.bench._harness import int_at_least
+
 from ._launch import add_hosts_options, job, run_job
 
 __all__ = ["Runs", "add_run_options"]
@@ -65,7 +66,7 @@ class Runs:
         if before is not None:
             self.crossed = [(c["sent"], c["received"]) for c in self.where.hosts.crossed(before)]
         if out.returncode:
-            sys.exit(f"hsgd.bench: {' '.join(cmd)} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
+            sys.exit(f"lab.bench: {' '.join(cmd)} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
         self.commands.append(cmd)
         if self.progress is not None:
             self.progress.step(" ".join(options))

@@ -11,7 +11,7 @@ host sent (``rx_bytes``) and received (``tx_bytes``), read from the root namespa
 
 Invariant: the run's state is written to ``/run/hsgd-hosts/ID/state.json`` *before*
 anything is made, so :func:`teardown` can always remove whatever exists, from this
-process, the guard process (:mod:`hsgd.hosts._guard`) or ``python -m hsgd.hosts clean``.
+process, the guard process (:mod:`lab.hosts._guard`) or ``python -m lab.hosts clean``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """An alpha-beta cost model of one step's communication, for clusters we cannot run here.
 
-Used by ``python -m hsgd.bench model``. Every strategy function returns the seconds one
+Used by ``python -m lab.bench model``. Every strategy function returns the seconds one
 step spends communicating, for a model of ``nbytes`` bytes on ``N`` nodes of ``k`` ranks
 each, on a :class:`Machine`: the network's latency and bandwidth per node, MPI's inside
 a node, hsgd's level 1 in the shared window, optional caps on one rank's stream and
@@ -21,7 +21,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Optional
 
-from .._core.traffic import allreduce_bytes, sum_splits
+from hsgd._core.traffic import allreduce_bytes, sum_splits
 
 __all__ = ["Machine", "STRATEGIES", "ring", "allreduce", "level1", "flat_ring", "leader", "sharded", "gossip", "box",
            "predict", "bytes_per_rank", "BOX_CHUNK_BYTES"]

@@ -9,7 +9,7 @@ the hosts in order: ranks ``0..K1-1`` on the first host, and so on.
 Every host runs on one kernel, so an MPI that looks for shared memory finds it between
 the hosts too, and the bytes never cross the links: :func:`tcp_env` and
 :func:`launch_command` keep them on TCP, and
-:meth:`hsgd.hosts.EmulatedHosts.counters` then shows what crossed.
+:meth:`lab.hosts.EmulatedHosts.counters` then shows what crossed.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def write_rsh(state: Dict) -> str:
         f"  {h['address']}|{h['name']}) ns={shlex.quote(h['netns'])}; uts={shlex.quote(h['uts'])};;"
         for h in state["hosts"])
     script = f"""#!/bin/sh
-# hsgd.hosts, run {state['id']}: the remote shell that MPI's launchers call as
+# lab.hosts, run {state['id']}: the remote shell that MPI's launchers call as
 # "$0 [options] HOST COMMAND...": COMMAND runs on the emulated host HOST.
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -41,7 +41,7 @@ host=$1
 shift
 case "$host" in
 {cases}
-  *) echo "hsgd.hosts: no emulated host '$host' in run {state['id']}" >&2; exit 255;;
+  *) echo "lab.hosts: no emulated host '$host' in run {state['id']}" >&2; exit 255;;
 esac
 exec nsenter --uts="$uts" -- ip netns exec "$ns" sh -c "$*"
 """

@@ -1,6 +1,6 @@
-"""Under ``mpiexec`` for ``python -m hsgd.bench model``: what the cost model is fitted to and checked against.
+"""Under ``mpiexec`` for ``python -m lab.bench model``: what the cost model is fitted to and checked against.
 
-:func:`worker` runs on every rank of the jobs :mod:`hsgd.bench.model` starts; rank 0
+:func:`worker` runs on every rank of the jobs :mod:`lab.bench.model` starts; rank 0
 returns every repeat's time (the slowest rank's) and hsgd's traffic per average. On this
 host, in a job of 2 ranks: the node's calibration (hsgd's node average and ``MPI
 Allreduce`` at :data:`CALIBRATION_SIZES`); with ``--validate``, in jobs of 2 and 4 ranks:
