@@ -28,8 +28,9 @@ __all__ = ["SUBCOMMANDS"]
 # calls parser.error on settings that cannot run, before anything starts, and PASSES_ON = True
 # to receive the options it does not know in extra (for python -m hsgd.train) instead of
 # rejecting them. Adding a subcommand is one module and one line here.
-#: The subcommands, in ``--help`` order; each is the module ``hsgd.bench.<name>``.
-SUBCOMMANDS = (
-    "allreduce",
-    "train",
-)
+#: The subcommands, in ``--help`` order, and their modules ``hsgd.bench.<module>`` (``train``'s is
+#: not train.py: no two modules of hsgd share a file name).
+SUBCOMMANDS = {
+    "allreduce": "allreduce",
+    "train": "training_steps",
+}

@@ -17,7 +17,7 @@ import argparse
 import importlib
 import json
 import sys
-from typing import List, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence, Union
 
 from . import SUBCOMMANDS
 from ._harness import add_common_options, has_tqdm, write_json
@@ -29,16 +29,22 @@ def _summary(module) -> str:
     return (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
 
 
-def build_parser(package: str = "hsgd.bench", subcommands: Sequence[str] = SUBCOMMANDS,
+Subcommands = Union[Sequence[str], Mapping[str, str]]
+
+
+def build_parser(package: str = "hsgd.bench", subcommands: Subcommands = SUBCOMMANDS,
                  description: str = "Benchmarks of hsgd") -> argparse.ArgumentParser:
-    """The parser of ``python -m PACKAGE``: one subparser per module ``PACKAGE.<name>``."""
+    """The parser of ``python -m PACKAGE``: one subparser per subcommand, from its module
+    ``PACKAGE.<module>`` (``subcommands``: names that are their modules' names, or a mapping
+    of names to module names)."""
     parser = argparse.ArgumentParser(
         prog=f"python -m {package}", description=f"{description}: each subcommand prints a "
         "markdown table; --json PATH also writes the raw measurements. "
         f"'python -m {package} SUBCOMMAND --help' says what it measures and how.")
     subparsers = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
-    for name in subcommands:
-        module = importlib.import_module(f"{package}.{name}")
+    modules = subcommands if isinstance(subcommands, Mapping) else {name: name for name in subcommands}
+    for name, module_name in modules.items():
+        module = importlib.import_module(f"{package}.{module_name}")
         sub = subparsers.add_parser(name, help=_summary(module), description=module.__doc__,
                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                     prog=f"python -m {package} {name}", allow_abbrev=False)
@@ -49,7 +55,7 @@ def build_parser(package: str = "hsgd.bench", subcommands: Sequence[str] = SUBCO
 
 
 def main(argv: Optional[Sequence[str]] = None, package: str = "hsgd.bench",
-         subcommands: Sequence[str] = SUBCOMMANDS, description: str = "Benchmarks of hsgd") -> int:
+         subcommands: Subcommands = SUBCOMMANDS, description: str = "Benchmarks of hsgd") -> int:
     """Run ``python -m PACKAGE SUBCOMMAND [options]`` (``argv``: the words after the package)."""
     words: List[str] = list(sys.argv[1:] if argv is None else argv)
     args, extra = build_parser(package, subcommands, description).parse_known_args(words)

@@ -1,6 +1,6 @@
 """Under ``mpiexec`` for ``python -m hsgd.bench train``: the workloads, the methods, the timed steps.
 
-:func:`worker` runs on every rank of the jobs :mod:`hsgd.bench.train` starts. For each
+:func:`worker` runs on every rank of the jobs :mod:`hsgd.bench.training_steps` starts. For each
 workload (:func:`_model`) every method gets its own copy of the model, seeded the same,
 and the same batches (:func:`_batches`), with SGD (lr 0.01, momentum 0.9) under its
 wrapper (:class:`_Method`): the methods of :func:`_methods`. Each repeat runs

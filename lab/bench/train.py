@@ -16,7 +16,7 @@ docs/benchmark-methods.md (``train``).
 
 from __future__ import annotations
 
-from hsgd.bench import train as here
+from hsgd.bench import training_steps as here
 from hsgd.bench._harness import Result, Table, median
 
 from ._host_train import worker  # noqa: F401 (what every rank runs)
