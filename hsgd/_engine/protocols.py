@@ -1,19 +1,13 @@
-"""The protocols between the layers of a mode: ``Engine``, ``SlotOwner``, ``OverlapAverager``.
+"""The protocols between a mode's layers: ``Engine`` and ``OverlapAverager``.
 
-A :class:`~hsgd._engine.mode.SyncMode` checks its arguments, agrees on them, wraps
-the inner optimizer and owns the life cycle; the *engine* is the family's machinery
-behind it, built once the arguments hold: for :mod:`hsgd.hierarchical` a shared
-window with two-level averaging, the bound tensors and the backward overlap; for
-:mod:`hsgd.box` a flat replica and a remote-memory region; for :mod:`hsgd.gossip` a
-flat replica, the peer graph and the push-sum transport.
-
-Every engine has ``binding`` (a :class:`~hsgd._engine.binding.SlotBinding`),
-``traffic`` (a :class:`~hsgd._core.traffic.Traffic`), ``on_phase`` (``None`` or
-``fn(name, start, end)``), :meth:`describe` (its settings for the mode's ``repr``)
-and a collective, idempotent ``close()`` after which the parameters and gradients
-keep their values. What the trainer evaluates and saves is the mode's, not the engine's.
-:class:`OverlapAverager` is what the backward overlap needs from the averager of the slot,
-a :class:`~hsgd._engine.binding.SlotOwner` (what a ``SlotBinding`` binds tensors to).
+A :class:`~hsgd._engine.mode.SyncMode` checks and agrees on its arguments, wraps the
+inner optimizer and owns the life cycle; its *engine* is the family's machinery behind
+it: for :mod:`hsgd.hierarchical` a shared window with two-level averaging, the bound
+tensors and the backward overlap; for :mod:`hsgd.box` a flat replica and a
+remote-memory region; for :mod:`hsgd.gossip` a flat replica, the peer graph and the
+push-sum transport. :class:`OverlapAverager` is what the backward overlap needs from
+the averager of the slot, a :class:`~hsgd._engine.binding.SlotOwner` (what a
+``SlotBinding`` binds tensors to).
 """
 
 from __future__ import annotations
@@ -88,7 +82,14 @@ class OverlapAverager(SlotOwner, Protocol):
 
 
 class Engine(Closable, abc.ABC):
-    """The base of the families' engines (see the module doc)."""
+    """The base of the families' engines.
+
+    Every engine has ``binding`` (a :class:`~hsgd._engine.binding.SlotBinding`),
+    ``traffic`` (a :class:`~hsgd._core.traffic.Traffic`), ``on_phase`` (``None`` or
+    ``fn(name, start, end)``), :meth:`describe` (its settings for the mode's ``repr``)
+    and a collective, idempotent ``close()`` after which the parameters and gradients
+    keep their values. What the trainer evaluates and saves is the mode's, not the engine's.
+    """
 
     binding: SlotBinding
     on_phase: Optional[PhaseCallback] = None

@@ -1,29 +1,12 @@
 """The torch internals hsgd relies on, all in this module; the rest of hsgd uses torch's public API.
 
-Checked against torch 2.13.0 (the pinned version: the tests run with it) and
-2.3.1 (the floor, constraints-floor.txt: each name below read in its source,
-with the same use). A torch release that renames one breaks this module only.
-
-- Optimizer hooks. A mode is a ``torch.optim.Optimizer`` whose groups, state
-  and defaults are the inner optimizer's (:mod:`hsgd._engine.optimizer`), so
-  it cannot run ``Optimizer.__init__``, which would copy the groups. torch has
-  no public way to give such a subclass the hook tables that
-  ``register_step_pre_hook`` and the other ``register_*_hook`` methods fill:
-  :func:`init_optimizer_hooks` makes them as ``__init__`` does, and wraps
-  ``step()`` to run the step hooks (``_patch_step_function``, once per class).
-  :func:`state_dict_with_hooks` and :func:`load_state_dict_with_hooks` run the
-  registered state-dict hooks around the inner optimizer's state dict, as
-  torch's own ``state_dict`` and ``load_state_dict`` run them.
-- ``torch.amp.GradScaler``'s handshake with an optimizer that unscales in its
-  own ``step()``: the class attribute ``_step_supports_amp_scaling``
-  (:class:`GradScalerStep`); ``GradScaler.step()`` then calls ``step()``
-  whatever the gradients hold, with ``grad_scale`` and ``found_inf`` set on
-  the optimizer for the call (:func:`grad_scaler_scale`,
-  :func:`under_grad_scaler`, :func:`leave_grad_scaler`).
-- Autograd: a tensor's version counter (``Tensor._version``, :func:`version`),
-  which counts in-place writes, and a callback at the end of the running
-  backward pass (the engine's ``queue_callback``, as DDP's reducer uses it:
-  :func:`queue_end_of_backward`).
+Checked against torch 2.13.0 (the pinned version: the tests run with it) and 2.3.1 (the
+floor, constraints-floor.txt: each name below read in its source, with the same use; CI
+runs the unit tests and the MPI suite at 2 ranks with it). A torch release that renames
+one breaks this module only. Three groups: the optimizer's hook tables (a mode cannot run
+``Optimizer.__init__``), ``torch.amp.GradScaler``'s handshake with an optimizer that
+unscales in its own ``step()``, and two autograd internals (a tensor's version counter,
+a callback at the end of backward).
 """
 
 from __future__ import annotations
@@ -43,6 +26,9 @@ _HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
 
 
 # --- optimizer hooks -------------------------------------------------------------------------
+# A mode is a torch.optim.Optimizer whose groups, state and defaults are the inner optimizer's
+# (hsgd._engine.optimizer), so it cannot run Optimizer.__init__, which would copy the groups;
+# torch has no public way to give such a subclass the tables that register_*_hook fill.
 def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
     """What ``torch.optim.Optimizer.__init__`` sets up for hooks, for a subclass that does not
     call it: empty hook tables, and ``step()`` runs the step pre- and post-hooks."""
@@ -79,6 +65,8 @@ def load_state_dict_with_hooks(optimizer: torch.optim.Optimizer, state_dict: Dic
 
 
 # --- GradScaler's handshake ------------------------------------------------------------------
+# With _step_supports_amp_scaling, GradScaler.step() calls step() whatever the gradients hold,
+# with grad_scale and found_inf set on the optimizer for the call.
 class GradScalerStep:
     """Mixin for an optimizer whose ``step()`` unscales the gradients itself: under
     ``GradScaler.step()`` it is always called, with the loss scale and the found-inf flag set
@@ -107,6 +95,8 @@ def leave_grad_scaler(optimizer: torch.optim.Optimizer) -> None:
 
 
 # --- autograd --------------------------------------------------------------------------------
+# Tensor._version counts in-place writes; queue_callback is how DDP's reducer runs code at the
+# end of the backward pass.
 def version(tensor: torch.Tensor) -> int:
     """``tensor``'s version counter, which every in-place write to it increments."""
     return tensor._version

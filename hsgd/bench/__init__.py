@@ -1,22 +1,16 @@
 """Benchmarks for your own cluster: ``python -m hsgd.bench SUBCOMMAND [options]``.
 
-What a user needs after ``pip install hsgd`` to measure their own machines: how fast
-hsgd averages against MPI and gloo (``allreduce``), and how fast it trains against
-torch's DDP, model averagers and Horovod (``train``). Every subcommand prints a
-markdown table (the form in ``docs/benchmarks.md``), can write its raw measurements
-and its settings as JSON (``--json PATH``), and reports its progress on stderr
-(``--progress``). They take ``--repeats`` timed runs after ``--warmup`` untimed ones
-and show medians; they launch ``mpiexec`` on themselves, one job per rank count, so
-every command is run as a plain ``python``::
+How fast hsgd averages against MPI and gloo (``allreduce``), and how fast it trains
+against torch's DDP, model averagers and Horovod (``train``). Every subcommand launches
+``mpiexec`` on itself, takes ``--repeats`` timed runs after ``--warmup`` untimed ones,
+prints a markdown table of medians and can write the raw measurements (``--json PATH``)::
 
     python -m hsgd.bench --help                      # the subcommands
     python -m hsgd.bench allreduce --ranks 2 --sizes 1e6 --repeats 5
     python -m hsgd.bench train --ranks 4 --workloads mlp --repeats 3
 
-The investigations (data loading, the parameter box, stalls, modes, gossip, LARS,
-DiLoCo, faults, the cost model) and the runs across emulated hosts are the lab's,
-beside the package in a clone: ``python -m lab.bench --help``. What each measures and
-how: docs/benchmark-methods.md.
+The investigations and the runs across emulated hosts are the lab's, beside the package
+in a clone (``python -m lab.bench --help``). How each measures: docs/benchmark-methods.md.
 """
 
 __all__ = ["SUBCOMMANDS"]

@@ -9,11 +9,9 @@ In each job, for each workload (``mlp``, ``cnn``, ``deep``, ``mlp2m``), every me
 trains its own copy of the same model on the same synthetic batches with the same
 optimizer: hsgd's synchronous and local-SGD modes beside DDP, torch's model averagers
 and Horovod (when it imports). Medians over ``--repeats`` of the slowest rank's time per
-step, with the methods' order rotating between repeats. What each workload, method and
-column is: docs/benchmark-methods.md (``train``). Each job is ``mpiexec -n RANKS`` on
-this host (gloo meets on 127.0.0.1); across hosts emulated on one machine, with the bytes
-on the busiest link and the wire limit: ``python -m lab.bench train --hosts 2`` from a
-clone.
+step, with the methods' order rotating between repeats (what each column is:
+docs/benchmark-methods.md). Each job runs on this host (gloo meets on 127.0.0.1); across
+emulated hosts, with the wire limit: ``python -m lab.bench train --hosts 2`` from a clone.
 """
 
 from __future__ import annotations
