@@ -1,4 +1,4 @@
-"""The public API is typed and documented (issue 27): every name in ``hsgd.__all__``.
+"""The public API is typed and documented: every name in ``hsgd.__all__``.
 
 A function needs a non-empty docstring, an annotation on every parameter (but
 ``self``/``cls``) and a return annotation. A class needs a docstring, and so do its
