@@ -187,7 +187,7 @@ class SlotBinding:
 
     def gather(self, indices: Optional[Sequence[int]] = None) -> None:
         """Make the slot hold every parameter's current gradient (or value); ``indices``: only
-        those parameters' (a bucket, :mod:`hsgd.hierarchical.overlap`)."""
+        those parameters' (a bucket, ``hsgd.hierarchical.overlap``)."""
         with torch.no_grad():
             for i in range(len(self.params)) if indices is None else indices:
                 p, view, zc = self.params[i], self.views[i], self.zero_copy[i]

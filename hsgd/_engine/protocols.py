@@ -35,7 +35,7 @@ PhaseCallback = Callable[[str, float, float], None]
 
 
 class OverlapAverager(SlotOwner, Protocol):
-    """What the backward overlap (:class:`~hsgd.hierarchical.overlap.BackwardOverlap`) needs from
+    """What the backward overlap (``hsgd.hierarchical.overlap.BackwardOverlap``) needs from
     the averager of the slot: the node's ranks, their window's synchronization, the averaging
     of one span in its parts, and the phase clock. The hierarchical family's
     :class:`~hsgd.hierarchical.averager.HierarchicalAverager` is one."""

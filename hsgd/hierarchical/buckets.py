@@ -1,5 +1,5 @@
 """The buckets of ``HierarchicalSGD(overlap=True)``: the bound gradients cut in the order
-backward produces them (:mod:`hsgd.hierarchical.overlap`).
+backward produces them (``hsgd.hierarchical.overlap``).
 
 The first bucket is small (1 MB) so that averaging starts early, the others
 up to ``bucket_cap_mb``, as DDP's; each bucket is one contiguous span of a

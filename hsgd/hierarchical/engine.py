@@ -5,7 +5,7 @@
 gradients (``bind="grad"``) or parameters (``"data"``) bound to this rank's
 slot (:class:`~hsgd._engine.binding.SlotBinding`) and, for
 ``HierarchicalSGD(overlap=True)``, the averaging of gradient buckets during
-backward (:class:`~hsgd.hierarchical.overlap.BackwardOverlap`) or, for
+backward (``hsgd.hierarchical.overlap.BackwardOverlap``) or, for
 ``HierarchicalLocalSGD(outer_optimizer=...)``, DiLoCo's outer step
 (:class:`~hsgd.hierarchical.outer.OuterLoop`).
 
@@ -58,7 +58,7 @@ class HierarchicalEngine(Engine):
     Attributes:
         averager: the :class:`~hsgd.hierarchical.averager.HierarchicalAverager`.
         binding: the :class:`~hsgd._engine.binding.SlotBinding` of ``params``.
-        overlap: the :class:`~hsgd.hierarchical.overlap.BackwardOverlap`, or ``None``.
+        overlap: the ``hsgd.hierarchical.overlap.BackwardOverlap``, or ``None``.
         outer: the :class:`~hsgd.hierarchical.outer.OuterLoop`, or ``None``.
     """
 

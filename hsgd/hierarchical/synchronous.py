@@ -46,7 +46,7 @@ class HierarchicalSGD(HierarchicalMode):
             ``compression``, ``backward_passes_per_step``, ``overlap``, ``bucket_cap_mb``).
 
     With ``overlap=True`` the gradients are averaged in buckets while backward still runs
-    (:mod:`hsgd.hierarchical.overlap`), the same averages as without. ``backward()`` then returns
+    (``hsgd.hierarchical.overlap``), the same averages as without. ``backward()`` then returns
     with the averages, as with DDP (clipping after it clips the average), is collective, and
     must run exactly ``backward_passes_per_step`` times per step (earlier passes inside
     :meth:`no_sync`); a ``GradScaler`` is refused. It pays only where averaging can run
