@@ -95,14 +95,30 @@ STREAMING_DILOCO = ["--sync", "diloco", "--intra-period", "2", "--inter-period",
                     "--compression", "bf16"]
 
 
+@pytest.fixture(scope="module")
+def whole_runs(tmp_path_factory, cache):
+    """``run(extra)`` -> the run directory of an uninterrupted run with ``extra``: one run per
+    setting, shared by the stop-and-resume cases of that setting."""
+    made = {}
+
+    def run(extra):
+        key = tuple(extra)
+        if key not in made:
+            run_dir = tmp_path_factory.mktemp("whole")
+            proc = train(2, [*SMALL, "--optimizer", "sgd", "--lr", "0.05", *extra, "--run-dir", str(run_dir)], cache)
+            assert proc.returncode == 0, proc.stderr
+            assert [e["step"] for e in records(run_dir, "epoch")] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+            made[key] = run_dir
+        return made[key]
+    return run
+
+
 # stop mid-epoch, and (STEPS_PER_EPOCH) on an epoch's last step
 @pytest.mark.parametrize("extra,stop_at", [([], 23), (LOCAL_SGD, 23), (STREAMING_DILOCO, 23),
                                            ([], STEPS_PER_EPOCH)])
-def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, extra, stop_at):
+def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, whole_runs, extra, stop_at):
     common = [*SMALL, "--optimizer", "sgd", "--lr", "0.05", *extra]
-    whole = train(2, [*common, "--run-dir", str(tmp_path / "whole")], cache)
-    assert whole.returncode == 0, whole.stderr
-    assert [e["step"] for e in records(tmp_path / "whole", "epoch")] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+    whole = whole_runs(extra)
     part = tmp_path / "part"
     first = train(2, [*common, "--run-dir", str(part), "--stop-after", str(stop_at)], cache)
     assert first.returncode == 0, first.stderr
@@ -111,7 +127,7 @@ def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, extra, stop_at)
     second = train(2, [*common, "--run-dir", str(part), "--resume"], cache)
     assert second.returncode == 0, second.stderr
     assert "resuming from" in second.stderr
-    want, got = final_model(tmp_path / "whole" / "checkpoints"), final_model(part / "checkpoints")
+    want, got = final_model(whole / "checkpoints"), final_model(part / "checkpoints")
     for key in want:
         assert torch.equal(want[key], got[key]), key
     epochs = records(part, "epoch")
