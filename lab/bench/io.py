@@ -25,16 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict
 
-from hsgd.bench._harness import (
-    Progress,
-    Result,
-    Table,
-    add_repeat_options,
-    int_at_least,
-    median,
-    positive_float,
-    repeat,
-)
+from hsgd.bench import _harness as harness
+from hsgd.bench._harness import Progress, Result, Table, repeat
 
 from ._launch import run_workers
 
@@ -45,14 +37,14 @@ COLUMNS = ("data", "ranks", "cache", "loader", "DataLoader*", "fancy*", "raw", "
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--gib", type=positive_float, default=1.0, help="size of each file (1)")
+    p.add_argument("--gib", type=harness.positive_float, default=1.0, help="size of each file (1)")
     p.add_argument("--dir", default=None, help="where to write the files (a temp dir)")
-    p.add_argument("--ranks", type=int_at_least(1), nargs="+", default=[1, 2, 4], help="rank counts (1 2 4)")
-    add_repeat_options(p, repeats=3, warmup=0, what="epochs of each method")
-    p.add_argument("--batch-size", type=int_at_least(1), default=256, help="samples per rank and batch (256)")
-    p.add_argument("--bounded-seconds", type=positive_float, default=5.0,
+    p.add_argument("--ranks", type=harness.int_at_least(1), nargs="+", default=[1, 2, 4], help="rank counts (1 2 4)")
+    harness.add_repeat_options(p, repeats=3, warmup=0, what="epochs of each method")
+    p.add_argument("--batch-size", type=harness.int_at_least(1), default=256, help="samples per rank and batch (256)")
+    p.add_argument("--bounded-seconds", type=harness.positive_float, default=5.0,
                    help="time per rank for the slow methods, extrapolated (5)")
-    p.add_argument("--workers", type=int_at_least(0), default=0, help="DataLoader num_workers (0)")
+    p.add_argument("--workers", type=harness.int_at_least(0), default=0, help="DataLoader num_workers (0)")
     p.add_argument("--files", dest="_files", type=Path, default=None, help=argparse.SUPPRESS)  # set by run()
 
 
@@ -104,7 +96,7 @@ def run(args, extra) -> Result:
 def _table(results, args, title) -> Table:
     rows: Dict[Any, Any] = {}  # JSON records, keyed as the table groups them
     for r in results:
-        rows.setdefault((r["data"], r["ranks"], r["cache"]), {})[r["method"]] = median(r["rates"])
+        rows.setdefault((r["data"], r["ranks"], r["cache"]), {})[r["method"]] = harness.median(r["rates"])
     table = Table(COLUMNS, title=title, notes=[
         f"samples/s, median of {args.repeats} after {args.warmup} warm-up, all ranks together; "
         f"batch {args.batch_size}.",
