@@ -11,7 +11,7 @@ of about 6e-8 to 65504 (a node sum above it becomes Inf, and hsgd skips the step
 Example::
 
     >>> codec = make_codec("bf16")
-    >>> sent = codec.allreduce_(comm, node_sum)   # in place; returns the bytes sent
+    >>> codec.allreduce_(comm, node_sum)   # in place
     >>> codec.close()
 """
 
@@ -26,7 +26,6 @@ if TYPE_CHECKING:  # importing mpi4py.MPI initializes MPI: not at import time
     from mpi4py import MPI
 
 from ._core.checks import check_choice
-from ._core.traffic import allreduce_bytes
 
 __all__ = ["COMPRESSIONS", "HalfCodec", "make_codec"]
 
@@ -62,13 +61,14 @@ class HalfCodec:
         self._op: Optional[MPI.Op] = MPI.Op.Create(_adder(self.dtype), commute=True)
         self._wire: Optional[torch.Tensor] = None
 
-    def allreduce_(self, comm, tensor: torch.Tensor) -> int:
-        """Sum ``tensor`` (contiguous, CPU) over ``comm`` in place through 16 bits; returns bytes sent."""
+    def allreduce_(self, comm, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` (contiguous, CPU) over ``comm`` in place through 16 bits (``itemsize`` bytes
+        per value on the wire)."""
         from mpi4py import MPI
 
         n, parties = tensor.numel(), comm.Get_size()
         if not n:
-            return 0
+            return
         if self._wire is None or self._wire.numel() < n:
             self._wire = torch.empty(n, dtype=self.dtype)
         wire = self._wire[:n]
@@ -77,7 +77,6 @@ class HalfCodec:
         finish = self._to_wire(tensor, wire, parties)
         sum_(comm, wire.view(torch.int16).numpy(), self._op, MPI.INT16_T)
         finish()
-        return allreduce_bytes(n * wire.element_size(), parties)
 
     def start_allreduce(self, comm, tensor: torch.Tensor) -> list:
         """:meth:`allreduce_` without waiting, on a wire buffer of its own: the steps of

@@ -4,12 +4,12 @@ After level 1 each node's sum sits in slot 0 of its shared window; it is reduced
 nodes in place (no staging copy) by ``"leader"`` (:class:`LeaderAllreduce`, the HSGD
 design: the node leader allreduces the whole buffer with the other leaders; nodes of
 any size) or ``"sharded"`` (:class:`ShardedAllreduce`, Horovod's hierarchical allreduce:
-local rank ``i`` allreduces its slice ``i`` with the ranks of local index ``i`` on the
-other nodes; equal nodes only, else :func:`make_inter_node` falls back to ``"leader"``).
-With ``compression`` (:mod:`hsgd.compression`) the sums cross nodes in 16 bits. Both
-sum; the caller scales by ``1 / world_size``, so unequal nodes give the exact mean::
+local rank ``i`` allreduces its slice ``i`` with the ranks of local index ``i`` on the other
+nodes; equal nodes only, else :func:`make_inter_node` falls back to ``"leader"``). Both
+sum (the caller scales by ``1 / world_size``: the exact mean, nodes equal or not), in 16
+bits with ``compression`` (:mod:`hsgd.compression`), counting the bytes sent in ``meter``::
 
-    >>> strategy = make_inter_node("sharded", topo)
+    >>> strategy = make_inter_node("sharded", topo, meter=meter)
     >>> strategy.allreduce_(node_sum, lo, hi)   # node_sum: slot 0's segment
     >>> strategy.close()
 """
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable, List, Literal, Optional, Tuple, get_
 import torch
 
 from ._core.checks import check_choice
+from ._core.meter import Meter
 from ._core.traffic import allreduce_bytes
 from ._transport.sums import start_sum, sum_
 from .compression import make_codec
@@ -48,14 +49,14 @@ CHUNK_BYTES = 4 << 20
 
 class Pending:
     """Sums under way (``_Strategy.start_allreduce``), one step after another: ``test()``
-    moves them on and says whether all are done, ``wait()`` blocks until they are; ``sent``:
-    the bytes this rank sends. Each step is a ``fn() -> (request, finish or None)``, started
-    when the one before it completed (a chunk's sum is one or two steps,
-    :mod:`hsgd._transport.sums`): on a link the chunks share the wire anyway, and one at a
-    time each crosses at the link rate, the first done soonest."""
+    moves them on and says whether all are done, ``wait()`` blocks until they are. Each step
+    is a ``fn() -> (request, finish or None)``, started when the one before it completed (a
+    chunk's sum is one or two steps, :mod:`hsgd._transport.sums`): on a link the chunks
+    share the wire anyway, and one at a time each crosses at the link rate, the first done
+    soonest."""
 
-    def __init__(self, chunks, sent: int):
-        self._chunks, self.sent = collections.deque(chunks), sent
+    def __init__(self, chunks):
+        self._chunks = collections.deque(chunks)
         self._request: Optional[MPI.Request] = None
         self._finish: Optional[Callable[[], None]] = None
         self._then: List[Callable[[], None]] = []
@@ -101,13 +102,15 @@ def _no_finish(start):
 
 
 class _Strategy:
-    """Sums over ``self.comm`` in place, exactly or through a 16-bit codec."""
+    """Sums over ``self.comm`` in place, exactly or through a 16-bit codec; the bytes sent go to
+    ``meter``."""
 
     name = ""
     comm: Optional[MPI.Comm] = None  # None on a rank that takes no part (not a leader)
 
-    def __init__(self, compression: Optional[str]):
+    def __init__(self, compression: Optional[str], meter: Optional[Meter] = None):
         self.codec = make_codec(compression)
+        self.meter = Meter() if meter is None else meter
 
     def _comm(self) -> MPI.Comm:
         """``comm``, on a rank that takes part in the sums (every caller is one)."""
@@ -129,30 +132,29 @@ class _Strategy:
         itemsize = part.element_size() if self.codec is None else self.codec.itemsize
         return allreduce_bytes(part.numel() * itemsize, self._comm().Get_size())
 
-    def _allreduce(self, tensor: torch.Tensor) -> int:
-        """Sum ``tensor`` over ``comm`` in place, in chunks of at most ``CHUNK_BYTES``; returns
-        the bytes this rank sent."""
-        sent = 0
+    def _allreduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over ``comm`` in place, in chunks of at most ``CHUNK_BYTES``, counting
+        the bytes this rank sends."""
         for part in self._chunks(tensor):
             if self.codec is not None:
-                sent += self.codec.allreduce_(self._comm(), part)
-                continue
-            sum_(self._comm(), part.numpy())
-            sent += self._sent(part)
-        return sent
+                self.codec.allreduce_(self._comm(), part)
+            else:
+                sum_(self._comm(), part.numpy())
+            self.meter.add_inter(self._sent(part))
 
     def start_allreduce(self, tensor: torch.Tensor) -> Pending:
         """:meth:`_allreduce` without waiting: each chunk's non-blocking sum (``Iallreduce``, or
         ``Ialltoallv`` then ``Iallgatherv``), one step after another, in the same order on
         every rank of ``comm``; ``tensor`` holds the sums once the returned :class:`Pending` is
-        done."""
+        done. The bytes are counted now."""
         parts, steps = self._chunks(tensor), []
         for part in parts:
             if self.codec is not None:
                 steps += self.codec.start_allreduce(self._comm(), part)
             else:
                 steps += [functools.partial(_no_finish, step) for step in start_sum(self._comm(), part.numpy())]
-        return Pending(steps, sum(map(self._sent, parts)))
+        self.meter.add_inter(sum(map(self._sent, parts)))
+        return Pending(steps)
 
     def close(self) -> None:
         if self.codec is not None:
@@ -165,17 +167,18 @@ class LeaderAllreduce(_Strategy):
 
     name = "leader"
 
-    def __init__(self, topology, compression: Optional[str] = None):
-        super().__init__(compression)
+    def __init__(self, topology, compression: Optional[str] = None, meter: Optional[Meter] = None):
+        super().__init__(compression, meter)
         self.comm = topology.leader_comm
 
-    def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> int:
-        """Allreduce the node sum (leaders only); returns the bytes sent."""
-        return 0 if self.comm is None else self._allreduce(node_sum)
+    def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> None:
+        """Allreduce the node sum (leaders only)."""
+        if self.comm is not None:
+            self._allreduce(node_sum)
 
     def start_allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> Pending:
         """:meth:`allreduce_` without waiting (leaders only; the others get a done ``Pending``)."""
-        return Pending((), 0) if self.comm is None else self.start_allreduce(node_sum)
+        return Pending(()) if self.comm is None else self.start_allreduce(node_sum)
 
 
 class ShardedAllreduce(_Strategy):
@@ -183,18 +186,18 @@ class ShardedAllreduce(_Strategy):
 
     name = "sharded"
 
-    def __init__(self, topology, compression: Optional[str] = None):
+    def __init__(self, topology, compression: Optional[str] = None, meter: Optional[Meter] = None):
         if not topology.equal_nodes:
             raise InputValueError(
                 f"inter_node='sharded' needs nodes of equal size; got "
                 f"{list(topology.node_sizes)}. Use inter_node='leader'")
-        super().__init__(compression)
+        super().__init__(compression, meter)
         # Ranks with the same local index, one per node, ordered by node.
         self.comm = topology.comm.Split(topology.local_rank, topology.node_index)
 
-    def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> int:
-        """Allreduce this rank's slice ``[lo, hi)`` of the node sum; returns the bytes sent."""
-        return self._allreduce(node_sum[lo:hi])
+    def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> None:
+        """Allreduce this rank's slice ``[lo, hi)`` of the node sum."""
+        self._allreduce(node_sum[lo:hi])
 
     def start_allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> Pending:
         """:meth:`allreduce_` without waiting."""
@@ -207,9 +210,10 @@ class ShardedAllreduce(_Strategy):
             self.comm = None
 
 
-def make_inter_node(name: str, topology, compression: Optional[str] = None):
+def make_inter_node(name: str, topology, compression: Optional[str] = None, meter: Optional[Meter] = None):
     """Build the level-2 strategy ``name`` for ``topology`` (collective), summing through
-    ``compression`` (``None``/``"none"``, ``"fp16"``, ``"bf16"``) if given.
+    ``compression`` (``None``/``"none"``, ``"fp16"``, ``"bf16"``) if given and counting the
+    bytes it sends in ``meter`` (default a :class:`~hsgd._core.meter.Meter` of its own).
 
     ``"sharded"`` on nodes of unequal size warns and returns ``"leader"``;
     every rank sees the same node sizes, so every rank makes the same choice.
@@ -222,4 +226,4 @@ def make_inter_node(name: str, topology, compression: Optional[str] = None):
             RuntimeWarning, stacklevel=2)
         name = "leader"
     logger.debug("inter-node strategy %s on %s", name, topology)
-    return (LeaderAllreduce if name == "leader" else ShardedAllreduce)(topology, compression)
+    return (LeaderAllreduce if name == "leader" else ShardedAllreduce)(topology, compression, meter)

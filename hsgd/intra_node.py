@@ -23,6 +23,7 @@ import torch
 from mpi4py import MPI
 
 from ._core.closable import Closable
+from ._core.meter import Meter
 from .errors import InputTypeError
 
 __all__ = ["Layout", "SharedSlots", "SUPPORTED_DTYPES", "slice_bounds"]
@@ -94,7 +95,8 @@ class SharedSlots(Closable):
 
     Collective over ``node_comm`` to build and to ``close()``. ``slot(r, s)``
     is a torch view of segment ``s`` of local rank ``r``'s slot, straight over
-    the shared memory.
+    the shared memory. The bytes each pass copies between slots go to ``meter``
+    (``intra_bytes``; default a :class:`~hsgd._core.meter.Meter` of its own).
 
     Example::
 
@@ -106,9 +108,10 @@ class SharedSlots(Closable):
         ...     slots.fence()               # every slot holds the mean
     """
 
-    def __init__(self, node_comm, layout: Layout):
+    def __init__(self, node_comm, layout: Layout, meter: Optional[Meter] = None):
         self.comm = node_comm
         self.layout = layout
+        self.meter = Meter() if meter is None else meter
         self.local_rank = node_comm.Get_rank()
         self.local_size = node_comm.Get_size()
         with contextlib.ExitStack() as undo:  # if the constructor fails: free the window
@@ -164,19 +167,18 @@ class SharedSlots(Closable):
         for start in range(lo, hi, step):
             yield slice(start, min(hi, start + step))
 
-    def _pass(self, reduce: bool, scale: float, spread: bool, span=None) -> int:
+    def _pass(self, reduce: bool, scale: float, spread: bool, span=None) -> None:
         """One pass over this rank's slice, chunk by chunk, on slot 0's chunk:
         add the other slots into it (``reduce``), scale it, copy it to the
         other slots (``spread``). ``span``: ``(segment, lo, hi)``, only those
-        elements (a bucket); default every segment whole. Returns the bytes
-        copied between slots (see :mod:`hsgd._core.traffic`)."""
-        moved = 0
+        elements (a bucket); default every segment whole. Counts the bytes
+        copied between slots as ``intra_bytes`` (see :mod:`hsgd._core.traffic`)."""
         spans = [(seg, None) for seg in range(len(self.layout.dtypes))] if span is None \
             else [(span[0], span[1:])]
         for seg, elements in spans:
             lo, hi = self.my_slice(seg, elements)
             copies = (self.local_size - 1) * (int(reduce) + int(spread))
-            moved += copies * (hi - lo) * self._slots[0][seg].element_size()
+            self.meter.add_intra(copies * (hi - lo) * self._slots[0][seg].element_size())
             slots = [s[seg] for s in self._slots]
             for sl in self._chunks(lo, hi, seg):
                 acc = slots[0][sl]
@@ -188,21 +190,20 @@ class SharedSlots(Closable):
                 if spread:
                     for other in slots[1:]:
                         other[sl].copy_(acc)
-        return moved
 
-    def reduce_broadcast(self, scale: float, span=None) -> int:
+    def reduce_broadcast(self, scale: float, span=None) -> None:
         """Set slice ``i`` of every slot to ``scale`` times its sum over the slots (one node): after
-        one pass every slot holds the whole average. Returns the bytes moved. ``span``:
-        ``(segment, lo, hi)``, only those elements, cut into slices the same way (a bucket)."""
-        return self._pass(reduce=True, scale=scale, spread=True, span=span)
+        one pass every slot holds the whole average. ``span``: ``(segment, lo, hi)``, only those
+        elements, cut into slices the same way (a bucket)."""
+        self._pass(reduce=True, scale=scale, spread=True, span=span)
 
-    def reduce_to_first(self, span=None) -> int:
-        """Set slice ``i`` of slot 0 to the sum of slice ``i`` over all slots. Returns bytes moved."""
-        return self._pass(reduce=True, scale=1.0, spread=False, span=span)
+    def reduce_to_first(self, span=None) -> None:
+        """Set slice ``i`` of slot 0 to the sum of slice ``i`` over all slots."""
+        self._pass(reduce=True, scale=1.0, spread=False, span=span)
 
-    def broadcast_from_first(self, scale: float, span=None) -> int:
-        """Set slice ``i`` of every slot to ``scale`` times slice ``i`` of slot 0. Returns bytes moved."""
-        return self._pass(reduce=False, scale=scale, spread=True, span=span)
+    def broadcast_from_first(self, scale: float, span=None) -> None:
+        """Set slice ``i`` of every slot to ``scale`` times slice ``i`` of slot 0."""
+        self._pass(reduce=False, scale=scale, spread=True, span=span)
 
     def _close(self) -> None:
         """End the lock epoch and free the window (collective). Views returned by :meth:`slot`

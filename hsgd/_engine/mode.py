@@ -27,7 +27,7 @@ import torch
 
 from .._core.agree import check_all, collective_error
 from .._core.closable import Closable
-from .._core.forward import forwarded
+from .._core.meter import Meter, PhaseCallback
 from .._core.settings import Settings as ModeSettings
 from ..errors import InputTypeError, InputValueError
 from ..faults import protect
@@ -118,8 +118,10 @@ class SyncMode(InnerOptimizer, GradScalerStep, Closable):
 
     Attributes:
         settings: the mode's :attr:`Settings`, as given.
-        engine: the family's :class:`~hsgd._engine.protocols.Engine` (its ``binding``, ``traffic``
-            and, for the hierarchical family, ``averager`` and ``overlap``), for tools and tests.
+        engine: the family's :class:`~hsgd._engine.protocols.Engine` (its ``binding`` and, for the
+            hierarchical family, ``averager`` and ``overlap``), for tools and tests.
+        meter: the :class:`~hsgd._core.meter.Meter` this mode makes and gives its engine at
+            construction: the bytes moved and the communication phases of everything below it.
         stall: the :class:`~hsgd.faults.stall.StallInspector` that watches this mode's waits.
     """
 
@@ -141,6 +143,7 @@ class SyncMode(InnerOptimizer, GradScalerStep, Closable):
                  broadcast: bool = True, stall: Stall = None, settings: Optional[ModeSettings] = None,
                  **kwargs: Any) -> None:
         self._init_optimizer_hooks()
+        self.meter = Meter()
         self._own_topology = topology is None
         self.topology = Topology.from_comm() if topology is None else topology
         self._shares = BatchShares(self.topology)
@@ -181,7 +184,7 @@ class SyncMode(InnerOptimizer, GradScalerStep, Closable):
         cls.__init__ = __init__  # type: ignore[method-assign]
 
     def _make_engine(self, params: List[torch.nn.Parameter]) -> Engine:
-        """Build the family's engine over ``params`` (collective)."""
+        """Build the family's engine over ``params`` (collective), given :attr:`meter`."""
         raise NotImplementedError
 
     def _step(self) -> None:
@@ -236,13 +239,19 @@ class SyncMode(InnerOptimizer, GradScalerStep, Closable):
         self._check_open()
         broadcast_optimizer_state(self, self.topology.comm, root, root_rank=root_rank)
 
-    on_phase = forwarded("engine.on_phase", doc="``None`` or ``fn(name, start, end)``, called with the time "
-                                                "of each communication phase.")
+    @property
+    def on_phase(self) -> Optional[PhaseCallback]:
+        """``None`` or ``fn(name, start, end)``, called with the time of each communication phase."""
+        return self.meter.on_phase
+
+    @on_phase.setter
+    def on_phase(self, fn: Optional[PhaseCallback]) -> None:
+        self.meter.on_phase = fn
 
     @property
     def traffic(self) -> Dict[str, int]:
         """Bytes this rank moved since construction, as ``intra_bytes`` and ``inter_bytes``."""
-        return self.engine.traffic.as_dict()
+        return self.meter.as_dict()
 
     # --- the model the trainer evaluates and saves -------------------------------------------
     @collective("shared_state_dict()")

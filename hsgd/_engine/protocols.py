@@ -13,10 +13,10 @@ the averager of the slot, a :class:`~hsgd._engine.binding.SlotOwner` (what a
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Tuple
 
 from .._core.closable import Closable
-from .._core.traffic import Traffic
+from .._core.meter import Meter, PhaseCallback
 from .binding import SlotBinding, SlotLayout, SlotOwner
 
 if TYPE_CHECKING:
@@ -29,15 +29,11 @@ __all__ = ["Engine", "PhaseCallback", "SlotLayout", "SlotOwner", "OverlapAverage
 #: ``(segment, start, stop)``: a range of elements in one segment of a slot.
 Span = Tuple[int, int, int]
 
-#: ``fn(name, start, end)``: a communication phase's name and its start and end times
-#: (``time.perf_counter()`` seconds).
-PhaseCallback = Callable[[str, float, float], None]
-
 
 class OverlapAverager(SlotOwner, Protocol):
     """What the backward overlap (``hsgd.hierarchical.overlap.BackwardOverlap``) needs from
     the averager of the slot: the node's ranks, their window's synchronization, the averaging
-    of one span in its parts, and the phase clock. The hierarchical family's
+    of one span in its parts, and the meter. The hierarchical family's
     :class:`~hsgd.hierarchical.averager.HierarchicalAverager` is one."""
 
     @property
@@ -74,31 +70,29 @@ class OverlapAverager(SlotOwner, Protocol):
     def spread_of(self, span: Span, scale: float) -> None:
         """This rank's slice of ``span``, ``scale`` times slot 0's, into every slot."""
 
-    def timed(self, key: str, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)``, reporting its time as phase ``key``."""
-
-    def report(self, key: str, start: float, end: float) -> None:
-        """Phase ``key`` ran from ``start`` to ``end`` (``time.perf_counter()`` seconds)."""
+    @property
+    def meter(self) -> Meter:
+        """What the averaging counts its bytes in and reports its phases to."""
 
 
 class Engine(Closable, abc.ABC):
     """The base of the families' engines.
 
     Every engine has ``binding`` (a :class:`~hsgd._engine.binding.SlotBinding`),
-    ``traffic`` (a :class:`~hsgd._core.traffic.Traffic`), ``on_phase`` (``None`` or
-    ``fn(name, start, end)``), :meth:`describe` (its settings for the mode's ``repr``)
-    and a collective, idempotent ``close()`` after which the parameters and gradients
-    keep their values. What the trainer evaluates and saves is the mode's, not the engine's.
+    ``meter`` (the mode's :class:`~hsgd._core.meter.Meter`, given at construction, which
+    its parts count their bytes in and report their phases to), :meth:`describe` (its
+    settings for the mode's ``repr``) and a collective, idempotent ``close()`` after which
+    the parameters and gradients keep their values. What the trainer evaluates and saves is
+    the mode's, not the engine's.
     """
 
     binding: SlotBinding
-    on_phase: Optional[PhaseCallback] = None
-
-    @property
-    @abc.abstractmethod
-    def traffic(self) -> Traffic:
-        """The bytes this rank moved inside its node and across nodes."""
+    meter: Meter
 
     def describe(self) -> Optional[str]:
         """``"key=value, ..."`` for the mode's ``repr``, or ``None``."""
         return None
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Free what the engine holds, the parameters and gradients keeping their values (collective)."""

@@ -80,7 +80,7 @@ def _bandwidth(n, repeats):
 def hsgd_times(comm, n, args, ranks_per_node=None, inter_node="leader", compression=None):
     """Every timed repeat's slowest-rank seconds of one hsgd average of ``n`` float32 over ``comm``
     (the buffer is the rank's slot), with virtual nodes of ``ranks_per_node`` (None: physical), and
-    this rank's traffic per average (:mod:`hsgd._core.traffic`). Collective."""
+    this rank's traffic per average (its :class:`~hsgd._core.meter.Meter`). Collective."""
     import torch
 
     from hsgd import Topology
@@ -93,7 +93,7 @@ def hsgd_times(comm, n, args, ranks_per_node=None, inter_node="leader", compress
         avg.own(0).fill_(1.0)
         times = _timed(comm, lambda: avg.average("global"), args)
         averages = args.warmup + args.repeats
-        return times, {key: value / averages for key, value in avg.traffic.as_dict().items()}
+        return times, {key: value / averages for key, value in avg.meter.as_dict().items()}
 
 
 def mpi_times(comm, n, args):

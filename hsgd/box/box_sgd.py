@@ -16,14 +16,13 @@ rank 0's parameters (after the usual broadcast). docs/box.md.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
+from .._core.meter import Meter, Phase
 from .._core.settings import Integer, Real, setting
-from .._core.traffic import Traffic
 from .._engine.binding import FlatSlot, SlotBinding
 from .._engine.mode import SyncMode, collective
 from .._engine.protocols import Engine
@@ -40,26 +39,25 @@ class BoxEngine(Engine):
     leader), starting as rank 0's ``W_x``. Collective to build and to close.
 
     The local parameters are views into one flat CPU buffer ``W_x`` (CPU parameters
-    without a copy; others are staged), so reads of ``W_g`` land in them directly.
+    without a copy; others are staged), so reads of ``W_g`` land in them directly. The
+    region counts the bytes this rank reads, writes and accumulates in ``meter`` (the
+    mode's): its own node's shards as ``intra``, the others as ``inter``.
     """
 
-    def __init__(self, topology: Topology, params: List[torch.nn.Parameter], who: str) -> None:
+    def __init__(self, topology: Topology, params: List[torch.nn.Parameter], who: str, meter: Meter) -> None:
+        self.meter = meter
         self.slot = FlatSlot(params, who)
         with contextlib.ExitStack() as undo:  # if the region cannot be built: unbind the parameters
             self.binding = SlotBinding(self.slot, params, "data")  # copies the values in, binds views
             undo.callback(self.binding.unbind)
             self.local = self.slot.buffer  # W_x
-            self.box = RemoteMemory(topology.comm, self.local.numel(), dtype=self.slot.dtype, topology=topology)
+            self.box = RemoteMemory(topology.comm, self.local.numel(), dtype=self.slot.dtype, topology=topology,
+                                    meter=meter)
             undo.pop_all()
         if topology.rank == 0:
             self.box.write(0, self.local)  # W_g starts as rank 0's parameters (everyone's, after broadcast)
         topology.comm.Barrier()
         self._opened()
-
-    @property
-    def traffic(self) -> Traffic:
-        """Bytes this rank read, wrote and accumulated: own node's shards ``intra``, others ``inter``."""
-        return self.box.traffic
 
     def describe(self) -> str:
         return repr(self.box)
@@ -78,7 +76,7 @@ class BoxMode(SyncMode):
     engine: BoxEngine
 
     def _make_engine(self, params: List[torch.nn.Parameter]) -> BoxEngine:
-        return BoxEngine(self.topology, params, type(self).__name__)
+        return BoxEngine(self.topology, params, type(self).__name__, self.meter)
 
     @property
     def box(self) -> RemoteMemory:
@@ -147,11 +145,9 @@ class BoxMode(SyncMode):
         """Set ``W_g`` from a checkpoint's model; each rank's replica stays as loaded. Collective."""
         self.load_global_parameters([state_dict[name] for name in self._trained_names()], replicas=False)
 
-    def _timed(self, start: float) -> None:
-        """Report the time since ``start`` as ``"intra"`` (every owner on this node) or ``"inter"``."""
-        if self.on_phase is not None:
-            phase = "intra" if len(self.box.node_owners) == len(self.box.owners) else "inter"
-            self.on_phase(phase, start, time.perf_counter())
+    def _phase(self) -> Phase:
+        """A round with ``W_g`` as a phase: ``"intra"`` (every owner on this node) or ``"inter"``."""
+        return self.meter.phase("intra" if len(self.box.node_owners) == len(self.box.owners) else "inter")
 
 
 class ElasticSGD(BoxMode):
@@ -194,16 +190,15 @@ class ElasticSGD(BoxMode):
         self._optimizer_step()
         if (self.num_steps + 1) % self.settings.tau:
             return
-        start = time.perf_counter()
-        self._binding.gather()  # staged (non-CPU) parameters into W_x
-        self._finish_round()  # the last round's delta is in W_g: its buffer is free again
-        if self._delta is None:
-            self._delta = torch.empty_like(self.local)
-        delta = self.box.read(0, self._delta).sub_(self.local).mul_(-self.settings.alpha)  # alpha * (W_x - W_g)
-        self.local.sub_(delta)
-        self.box.accumulate_start(0, delta)  # delta stays untouched until the next round completes it
-        self._binding.scatter()
-        self._timed(start)
+        with self._phase():
+            self._binding.gather()  # staged (non-CPU) parameters into W_x
+            self._finish_round()  # the last round's delta is in W_g: its buffer is free again
+            if self._delta is None:
+                self._delta = torch.empty_like(self.local)
+            delta = self.box.read(0, self._delta).sub_(self.local).mul_(-self.settings.alpha)  # alpha * (W_x - W_g)
+            self.local.sub_(delta)
+            self.box.accumulate_start(0, delta)  # delta stays untouched until the next round completes it
+            self._binding.scatter()
 
     def _close(self) -> None:
         self._finish_round()
@@ -238,12 +233,11 @@ class AsyncSGD(BoxMode):
         before = self._change.copy_(self.local)
         self._unscale_local()
         self._optimizer_step()
-        start = time.perf_counter()
-        self._binding.gather()
-        self.box.accumulate(0, before.neg_().add_(self.local))  # the step's change, in place
-        self.box.read(0, self.local)
-        self._binding.scatter()
-        self._timed(start)
+        with self._phase():
+            self._binding.gather()
+            self.box.accumulate(0, before.neg_().add_(self.local))  # the step's change, in place
+            self.box.read(0, self.local)
+            self._binding.scatter()
 
     def _close(self) -> None:
         self.topology.comm.Barrier()  # every rank's last change is in W_g before anyone frees it

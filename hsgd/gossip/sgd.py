@@ -18,7 +18,6 @@ model worth evaluating and saving is the consensus ``sum(w_i x_i) / sum(w_i)``
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Literal, Sequence, Tuple, get_args
 
@@ -103,7 +102,7 @@ class GossipSGD(SyncMode):
     engine: GossipEngine
 
     def _make_engine(self, params: List[torch.nn.Parameter]) -> GossipEngine:
-        engine = GossipEngine(self.topology, params, self.settings.graph, self.settings.seed)
+        engine = GossipEngine(self.topology, params, self.settings.graph, self.settings.seed, self.meter)
         self.sent = engine.local.clone()  # x_sent
         self.weight = 1.0
         self.sends = 0  # rounds in which this rank sent its model
@@ -118,13 +117,10 @@ class GossipSGD(SyncMode):
         outs, ins = self.graph.peers(self.num_steps, self.topology.rank)
         if not outs and not ins:
             return
-        start = time.perf_counter()
-        self._binding.gather()
-        self._round(outs, ins)
-        self._binding.scatter()
-        if self.on_phase is not None:
-            self.on_phase("intra" if self.engine.same_node(set(outs) | set(ins)) else "inter",
-                          start, time.perf_counter())
+        with self.meter.phase("intra" if self.engine.same_node(set(outs) | set(ins)) else "inter"):
+            self._binding.gather()
+            self._round(outs, ins)
+            self._binding.scatter()
 
     @property
     def local(self) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 from mpi4py import MPI
 
-from .._core.traffic import Traffic
+from .._core.meter import Meter
 from .._core.waits import wait_all
 from .._engine.binding import FlatSlot, SlotBinding
 from .._engine.protocols import Engine
@@ -34,9 +34,11 @@ _MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}
 
 class GossipEngine(Engine):
     """The replica ``local`` (the parameters are views into it), the ``graph`` and the
-    exchange of a round. Collective to build and to close."""
+    exchange of a round; every byte sent counts in ``meter`` (the mode's). Collective to
+    build and to close."""
 
-    def __init__(self, topology, params, graph: str, seed: int):
+    def __init__(self, topology, params, graph: str, seed: int, meter: Meter):
+        self.meter = meter
         self.slot = FlatSlot(params, "GossipSGD", header_bytes=_HEADER_BYTES)
         self._mpi_type = _MPI_TYPES[self.slot.dtype]
         self.binding = SlotBinding(self.slot, params, "data")
@@ -49,12 +51,7 @@ class GossipEngine(Engine):
         self._nodes = topology.comm.allgather(topology.node_index)
         self._comm = topology.comm.Dup()
         self._inbox: Dict[int, torch.Tensor] = {}  # in-peer -> its frame's receive buffer
-        self._traffic = Traffic()
         self._opened()
-
-    @property
-    def traffic(self) -> Traffic:
-        return self._traffic
 
     def same_node(self, peers) -> bool:
         """Whether every rank of ``peers`` is on this rank's node."""
@@ -96,9 +93,9 @@ class GossipEngine(Engine):
 
     def _count(self, peer: int, nbytes: int) -> None:
         if self._nodes[peer] == self.node:
-            self._traffic.add_intra(nbytes)
+            self.meter.add_intra(nbytes)
         else:
-            self._traffic.add_inter(nbytes)
+            self.meter.add_inter(nbytes)
 
     def describe(self) -> str:
         return f"graph={self.graph_name!r}"

@@ -5,21 +5,22 @@ level-2 strategy from :mod:`hsgd.inter_node`. Each rank fills its own slot
 (``averager.own(segment)``); :meth:`~HierarchicalAverager.average` then leaves the mean
 in every slot: over the node (``level="node"``, one fused pass) or over all ranks
 (``level="global"``, every rank weighing ``1/world``; with a single node the fused
-node mean). :attr:`~HierarchicalAverager.on_phase` receives the time of every
-``"intra"`` and ``"inter"`` phase, for the trainer's time breakdown.
+node mean). Its ``meter`` (:mod:`hsgd._core.meter`) counts the bytes of both levels and
+hears of every ``"intra"`` and ``"inter"`` phase, for the trainer's time breakdown.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from typing import Optional
 
 import torch
 from mpi4py import MPI
 
 from .._core.checks import check_choice
 from .._core.closable import Closable
-from .._core.traffic import Traffic
+from .._core.meter import Meter
 from ..inter_node import make_inter_node
 from ..intra_node import Layout, SharedSlots
 
@@ -35,7 +36,9 @@ class HierarchicalAverager(Closable):
     the slots ``j`` of their slice ``i``; fence. ``level="global"``: fence; slice ``i`` of
     slot 0 becomes the sum over ``j`` of slice ``i`` of slot ``j`` (level 1); fence; slot 0
     is summed over the nodes (leader or sharded, level 2); fence; slice ``i`` of every slot
-    becomes slice ``i`` of slot 0 over ``world`` (the spread back); fence.
+    becomes slice ``i`` of slot 0 over ``world`` (the spread back); fence. ``meter``: the
+    :class:`~hsgd._core.meter.Meter` that both levels count their bytes in and that hears of
+    every phase (default one of its own); the mode's, under a mode.
 
     Example::
 
@@ -47,19 +50,22 @@ class HierarchicalAverager(Closable):
         >>> avg.close()
     """
 
-    def __init__(self, topology, layout: Layout, inter_node: str = "leader", compression=None):
+    def __init__(self, topology, layout: Layout, inter_node: str = "leader", compression=None,
+                 meter: Optional[Meter] = None):
         self.topology = topology
         self.layout = layout
+        self.meter = Meter() if meter is None else meter
         with contextlib.ExitStack() as undo:  # if the constructor fails: free what it built
-            self.slots = SharedSlots(topology.node_comm, layout)
+            self.slots = SharedSlots(topology.node_comm, layout, self.meter)
             undo.callback(self.slots.close)
-            self.inter = make_inter_node(inter_node, topology, compression)
+            self.inter = make_inter_node(inter_node, topology, compression, self.meter)
             undo.pop_all()
-        # Optional callback(phase, start, end) with perf_counter times, e.g.
-        # hsgd._trainer.metrics.PhaseClock.record for the trainer's time breakdown.
-        self.on_phase = None
-        self.traffic = Traffic()  # bytes moved by this rank (hsgd._core.traffic)
         self._opened()
+
+    @property
+    def traffic(self) -> Meter:
+        """The bytes this rank moved (``intra_bytes``, ``inter_bytes``): its meter's counts."""
+        return self.meter
 
     @property
     def inter_node(self) -> str:
@@ -95,24 +101,17 @@ class HierarchicalAverager(Closable):
         check_choice("level", level, LEVELS)
         if self.slots.closed:
             raise RuntimeError("HierarchicalAverager is closed; its shared window was freed")
-        topo = self.topology
+        topo, meter = self.topology, self.meter
         if level == "node" or topo.num_nodes == 1:
-            self.timed("intra", self._node_mean, scale)
+            with meter.phase("intra"):
+                self._node_mean(scale)
             return
-        self.timed("intra", self._reduce_to_leader)
-        self.timed("inter", self._across_nodes)
-        self.timed("intra", self._spread, scale / topo.size)
-
-    def timed(self, key: str, fn, *args) -> None:
-        """Run ``fn(*args)``, reporting its time as phase ``key`` to ``on_phase``."""
-        start = time.perf_counter()
-        fn(*args)
-        self.report(key, start, time.perf_counter())
-
-    def report(self, key: str, start: float, end: float) -> None:
-        """Tell ``on_phase`` that phase ``key`` ran from ``start`` to ``end``."""
-        if self.on_phase is not None:
-            self.on_phase(key, start, end)
+        with meter.phase("intra"):
+            self._reduce_to_leader()
+        with meter.phase("inter"):
+            self._across_nodes()
+        with meter.phase("intra"):
+            self._spread(scale / topo.size)
 
     def _node_mean(self, scale: float) -> None:
         if self.slots.local_size == 1:
@@ -143,18 +142,18 @@ class HierarchicalAverager(Closable):
         """Set this rank's slice of ``span`` in every slot to their sum times ``scale`` / local size."""
         if self.slots.local_size == 1 and scale == 1.0:
             return
-        self.traffic.add_intra(self.slots.reduce_broadcast(scale / self.slots.local_size, span))
+        self.slots.reduce_broadcast(scale / self.slots.local_size, span)
 
     def reduce_of(self, span) -> None:
         """Set this rank's slice of ``span`` in slot 0 to its sum over the node's slots."""
-        self.traffic.add_intra(self.slots.reduce_to_first(span))
+        self.slots.reduce_to_first(span)
 
     def across_of(self, span) -> None:
         """Sum ``span`` of slot 0 over the nodes (the whole span by the leader, or this rank's
         slice of it: the level-2 strategy's part)."""
         seg, lo, hi = span
         mine_lo, mine_hi = self.slots.my_slice(seg, (lo, hi))
-        self.traffic.add_inter(self.inter.allreduce_(self.slots.slot(0, seg)[lo:hi], mine_lo - lo, mine_hi - lo))
+        self.inter.allreduce_(self.slots.slot(0, seg)[lo:hi], mine_lo - lo, mine_hi - lo)
 
     def start_across(self, span):
         """:meth:`across_of` without waiting: returns the level-2 strategy's
@@ -164,13 +163,12 @@ class HierarchicalAverager(Closable):
         mine_lo, mine_hi = self.slots.my_slice(seg, (lo, hi))
         start = time.perf_counter()
         pending = self.inter.start_allreduce_(self.slots.slot(0, seg)[lo:hi], mine_lo - lo, mine_hi - lo)
-        self.traffic.add_inter(pending.sent)
-        pending.then(lambda: self.report("inter", start, time.perf_counter()))
+        pending.then(lambda: self.meter.report("inter", start, time.perf_counter()))
         return pending
 
     def spread_of(self, span, scale: float) -> None:
         """Set this rank's slice of ``span`` in every slot to ``scale`` times that of slot 0."""
-        self.traffic.add_intra(self.slots.broadcast_from_first(scale, span))
+        self.slots.broadcast_from_first(scale, span)
 
     def _close(self) -> None:
         """Free the level-2 communicator and the shared window (collective)."""

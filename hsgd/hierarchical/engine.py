@@ -23,9 +23,8 @@ from typing import Any, ClassVar, List, Optional
 import torch
 
 from .._core.agree import collective_error
-from .._core.forward import forwarded
+from .._core.meter import Meter
 from .._core.settings import Boolean, Choice, setting
-from .._core.traffic import Traffic
 from .._engine.binding import SlotBinding
 from .._engine.mode import SyncMode
 from .._engine.protocols import Engine
@@ -55,6 +54,9 @@ def _layout(params, bind: str) -> Layout:
 class HierarchicalEngine(Engine):
     """The averager, the binding and (optionally) the backward overlap. Collective to build.
 
+    ``meter``: the mode's :class:`~hsgd._core.meter.Meter`, given to the averager and the outer
+    step, which count their bytes in it and report their phases to it.
+
     Attributes:
         averager: the :class:`~hsgd.hierarchical.averager.HierarchicalAverager`.
         binding: the :class:`~hsgd._engine.binding.SlotBinding` of ``params``.
@@ -63,9 +65,10 @@ class HierarchicalEngine(Engine):
     """
 
     def __init__(self, topology: Topology, params: List[torch.nn.Parameter], bind: str, inter_node: str,
-                 compression: Optional[str], zero_copy: bool = True) -> None:
+                 compression: Optional[str], zero_copy: bool = True, meter: Optional[Meter] = None) -> None:
+        self.meter = Meter() if meter is None else meter
         with contextlib.ExitStack() as undo:  # if the constructor fails: free what it built
-            self.averager = HierarchicalAverager(topology, _layout(params, bind), inter_node, compression)
+            self.averager = HierarchicalAverager(topology, _layout(params, bind), inter_node, compression, self.meter)
             undo.callback(self.averager.close)
             self.overlap: Optional[BackwardOverlap] = None
             self.outer: Optional[OuterLoop] = None
@@ -84,8 +87,7 @@ class HierarchicalEngine(Engine):
         second window of the same layout and inter-node strategy. Collective."""
         topology, params, compression = self._args
         self.outer = OuterLoop(topology, self.averager.layout, self.averager.inter_node, compression, params, factory,
-                               period, fragments, delay, alpha, traffic=self.averager.traffic)
-        self.outer.on_phase = self.averager.on_phase
+                               period, fragments, delay, alpha, meter=self.meter)
 
     def average(self, level: str, weight: float, passes: int = 1) -> None:
         """Replace every rank's bound tensors by their mean over ``level``, each rank's weighted by
@@ -95,13 +97,6 @@ class HierarchicalEngine(Engine):
             self.binding.scale_(weight)
         self.averager.average(level, 1.0 / passes)
         self.binding.scatter()
-
-    on_phase = forwarded("averager.on_phase", "outer.on_phase")
-
-    @property
-    def traffic(self) -> Traffic:
-        """The averager's byte counts (the outer step's included)."""
-        return self.averager.traffic
 
     def describe(self) -> str:
         compression = self.averager.inter.compression
@@ -146,7 +141,8 @@ class HierarchicalMode(SyncMode):
     def _make_engine(self, params: List[torch.nn.Parameter]) -> HierarchicalEngine:
         compression = self.settings.compression
         return HierarchicalEngine(self.topology, params, self.bind, self.settings.inter_node,
-                                  None if compression == "none" else compression, self.settings.zero_copy)
+                                  None if compression == "none" else compression, self.settings.zero_copy,
+                                  self.meter)
 
     @property
     def averager(self) -> HierarchicalAverager:

@@ -22,7 +22,7 @@ import torch
 
 from .._core.agree import check_all, collective_error
 from .._core.closable import Closable
-from .._core.forward import forwarded
+from .._core.meter import Meter
 from .._engine.binding import slot_views
 from ..errors import InputTypeError, InputValueError
 from .averager import HierarchicalAverager
@@ -60,7 +60,8 @@ class OuterLoop(Closable):
             once per fragment.
         period: steps between two syncs of a fragment (``intra_period * inter_period``).
         fragments, delay, alpha: ``F``, ``τ`` and ``α`` below.
-        traffic: the mode's :class:`~hsgd._core.traffic.Traffic`, which counts these bytes too.
+        meter: the mode's :class:`~hsgd._core.meter.Meter`, which counts these bytes and hears of
+            these phases too.
 
     Streaming: the parameters are split into ``F`` fragments of about equal size; fragment
     ``f`` syncs at steps ``t`` with ``(t − offset_f) % period == 0``, ``offset_f = f·period
@@ -79,7 +80,7 @@ class OuterLoop(Closable):
 
     def __init__(self, topology, layout, inter_node: str, compression: Optional[str],
                  params: List[torch.nn.Parameter], factory: OuterFactory, period: int, fragments: int = 1,
-                 delay: int = 0, alpha: float = 0.0, traffic=None):
+                 delay: int = 0, alpha: float = 0.0, meter: Optional[Meter] = None):
         if fragments > len(params):
             raise collective_error(InputValueError, f"fragments={fragments} but the model has "
                                    f"{len(params)} trainable parameter tensors; use fragments <= {len(params)}")
@@ -91,16 +92,13 @@ class OuterLoop(Closable):
         _check_same_outers(self.outers, topology.comm)
         self.offsets = [f * period // fragments for f in range(fragments)]
         self.spans = [_spans(layout, params, a, b) for a, b in self.groups]
-        self.window = HierarchicalAverager(topology, layout, inter_node, compression)
-        if traffic is not None:
-            self.window.traffic = traffic
+        self.window = HierarchicalAverager(topology, layout, inter_node, compression, meter)
+        self.meter = self.window.meter
         self.views = slot_views(self.window, params)
         # fragment -> (start step, [Pending or None per span], this rank's contribution or None)
         self.in_flight: Dict[int, Tuple[int, list, Optional[List[torch.Tensor]]]] = {}
         self._resend: Dict[int, Tuple[int, List[torch.Tensor]]] = {}
         self._opened()
-
-    on_phase = forwarded("window.on_phase")
 
     # --- the schedule --------------------------------------------------------------------------
     def starts(self, fragment: int, step: int) -> bool:
@@ -154,16 +152,19 @@ class OuterLoop(Closable):
     def _begin(self, span: Span):
         window = self.window
         if self.topology.num_nodes == 1:
-            window.timed("intra", self._fenced, window.node_mean_of, span, 1.0)
+            with self.meter.phase("intra"):
+                self._fenced(window.node_mean_of, span, 1.0)
             return None
-        window.timed("intra", self._fenced, window.reduce_of, span)
+        with self.meter.phase("intra"):
+            self._fenced(window.reduce_of, span)
         return window.start_across(span)
 
     def _end(self, span: Span, pending) -> None:
         if pending is None:
             return
         pending.wait()
-        self.window.timed("intra", self._fenced, self.window.spread_of, span, 1.0 / self.topology.size)
+        with self.meter.phase("intra"):
+            self._fenced(self.window.spread_of, span, 1.0 / self.topology.size)
 
     def _fenced(self, fn, *args) -> None:
         self.window.slots.fence()  # every rank of the node has written (or read) the span

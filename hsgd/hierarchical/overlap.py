@@ -112,9 +112,14 @@ class _Pipeline:
     @staticmethod
     def _stages(averager: OverlapAverager, topo, scale: float) -> List[_Stage]:
         """What a rank does to each bucket, in order (see the module doc); every part timed as
-        its phase (``on_phase``)."""
+        its phase (the averager's ``meter``)."""
+        meter = averager.meter
+
         def intra(fn, **kw):
-            return functools.partial(averager.timed, "intra", functools.partial(fn, **kw))
+            def run(span: _Span) -> None:
+                with meter.phase("intra"):
+                    fn(span, **kw)
+            return run
 
         everyone = slice(None)
         if topo.num_nodes == 1:
@@ -188,7 +193,7 @@ class _Pipeline:
             for k, stage in enumerate(self.stages):
                 moved |= self._step(k, stage, n if k == 0 else self._next[k - 1])
             if moved and waiting_since is not None:  # the wait counts as intra-node time
-                self.averager.report("intra", waiting_since, time.perf_counter())
+                self.averager.meter.report("intra", waiting_since, time.perf_counter())
                 waiting_since = None
             if not moved:
                 if not block:
@@ -201,13 +206,14 @@ class _Pipeline:
                 # another local rank is still in backward: give it the core (ranks may share one)
                 backoff.idle()
         if waiting_since is not None:
-            self.averager.report("intra", waiting_since, time.perf_counter())
+            self.averager.meter.report("intra", waiting_since, time.perf_counter())
 
     def finish(self) -> None:
         """Drive every bucket to the end, then fence: the round is over on every local rank."""
         self.advance(block=True)
         # Keeps any rank from writing next round's gradients into a slot another rank still reads.
-        self.averager.timed("intra", self.averager.fence)
+        with self.averager.meter.phase("intra"):
+            self.averager.fence()
         self.round += 1
         self._reset()
 

@@ -27,7 +27,7 @@ import torch
 from mpi4py import MPI
 
 from .._core.closable import Closable
-from .._core.traffic import Traffic
+from .._core.meter import Meter
 from ..topology import Topology
 from .control import ControlWords
 from .layout import DTYPES, agree_owners, pieces, shard_bounds
@@ -58,13 +58,17 @@ class RemoteMemory(Closable):
         progress_idle: across hosts, how often (seconds) an owner's progress thread polls while
             no doorbell comes in (``hsgd.remote.progress_thread``); a region read only now and
             then can afford a slow poll.
+        meter: what the bytes this rank reads, writes and accumulates count in: the owners on
+            its node's as ``intra_bytes``, the others' as ``inter_bytes`` (default a
+            :class:`~hsgd._core.meter.Meter` of its own; a mode gives its own).
 
     The region starts zero-filled.
     """
 
     def __init__(self, comm: Optional[MPI.Intracomm], numel: int, dtype: torch.dtype = torch.float32,
                  owners: Optional[Sequence[int]] = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 topology: Optional[Topology] = None, progress_idle: float = IDLE_S) -> None:
+                 topology: Optional[Topology] = None, progress_idle: float = IDLE_S,
+                 meter: Optional[Meter] = None) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm
         owners, node_ranks = agree_owners(comm, numel, dtype, owners, chunk_bytes, topology)
         self.comm, self.numel, self.dtype, self.owners = comm, int(numel), dtype, owners
@@ -74,7 +78,7 @@ class RemoteMemory(Closable):
         self._starts = bounds = shard_bounds(self.numel, len(owners))  # owners[i]: [bounds[i], bounds[i + 1])
         rank = comm.Get_rank()
         self._local = {owner for owner in owners if owner in node_ranks}
-        self.traffic = Traffic()
+        self.meter = Meter() if meter is None else meter
         shard = int(bounds[owners.index(rank) + 1] - bounds[owners.index(rank)]) if rank in owners else 0
 
         info = MPI.Info.Create()
@@ -147,9 +151,9 @@ class RemoteMemory(Closable):
     def _count(self, owner: int, nelem: int) -> None:
         nbytes = nelem * self.itemsize
         if owner in self._local:
-            self.traffic.add_intra(nbytes)
+            self.meter.add_intra(nbytes)
         else:
-            self.traffic.add_inter(nbytes)
+            self.meter.add_inter(nbytes)
 
     def _rma(self, op: str, owner: int, buf: np.ndarray, disp: int, flush: bool = True) -> None:
         for lo in range(0, len(buf), self._chunk):
@@ -315,6 +319,11 @@ class RemoteMemory(Closable):
     def shards(self) -> List[Tuple[int, int, int]]:
         """``(owner, first, stop)`` for every owner: it holds elements ``[first, stop)``."""
         return [(owner, int(self._starts[i]), int(self._starts[i + 1])) for i, owner in enumerate(self.owners)]
+
+    @property
+    def traffic(self) -> Meter:
+        """The bytes this rank moved (``intra_bytes``, ``inter_bytes``): its meter's counts."""
+        return self.meter
 
     @property
     def node_owners(self) -> List[int]:
