@@ -25,7 +25,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["STATE_ROOT", "HostsError", "HostsUnavailable", "parse_rate", "format_rate", "missing_capability",
            "new_run", "make", "teardown", "counters", "owner_alive", "stale_runs"]
@@ -178,11 +178,46 @@ def make(state: Dict) -> None:
         raise
 
 
-def _kill_namespace(ns: str) -> None:
-    """SIGKILL every process in network namespace ``ns``; wait (up to 5 s) until they are gone."""
-    deadline = time.monotonic() + 5.0
+def _namespace_key(ns: str) -> Optional[Tuple[int, int]]:
+    """The identity (device, inode) of network namespace ``ns``, or ``None`` if it is gone."""
+    try:
+        st = os.stat(f"/run/netns/{ns}")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _holders(key: Tuple[int, int]) -> List[int]:
+    """The processes in the namespace ``key`` or holding a descriptor on it: a launch that is
+    entering it (``ip netns exec`` between its open and its setns) holds one."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            st = os.stat(f"/proc/{entry.name}/ns/net")
+            if (st.st_dev, st.st_ino) == key:
+                found.append(int(entry.name))
+                continue
+            for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                try:
+                    st = os.stat(fd.path)
+                except OSError:  # closed meanwhile, or a descriptor that stat cannot follow
+                    continue
+                if (st.st_dev, st.st_ino) == key:
+                    found.append(int(entry.name))
+                    break
+        except OSError:  # the process ended, or is a zombie
+            continue
+    return found
+
+
+def _kill_holders(key: Tuple[int, int], timeout: float = 5.0) -> None:
+    """SIGKILL every process in namespace ``key`` or holding it open, until none is left
+    (up to ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pids = [int(p) for p in _run("ip", "netns", "pids", ns, check=False).stdout.split()]
+        pids = _holders(key)
         if not pids:
             return
         for pid in pids:
@@ -193,15 +228,37 @@ def _kill_namespace(ns: str) -> None:
         time.sleep(0.05)
 
 
+def _kill_namespace(ns: str) -> None:
+    """SIGKILL every process in network namespace ``ns``; wait (up to 5 s) until they are gone."""
+    key = _namespace_key(ns)
+    if key is not None:
+        _kill_holders(key)
+
+
+def _remove_namespace(ns: str) -> bool:
+    """Kill what runs in network namespace ``ns`` and delete it; False if it could not be deleted.
+
+    A process that opened the namespace before the deletion can still enter it after (a launch
+    through the remote shell racing the teardown), where ``ip netns pids`` no longer finds it:
+    after the deletion no process can open it anymore, so the processes found in it or holding
+    it then are the last ones."""
+    key = _namespace_key(ns)
+    if key is None:
+        return True
+    _kill_holders(key)
+    if _run("ip", "netns", "del", ns, check=False).returncode:
+        return False
+    _kill_holders(key)
+    return True
+
+
 def teardown(state: Dict) -> List[str]:
     """Remove everything of ``state`` that exists, processes in the hosts included. Idempotent;
     never raises for what is already gone. Returns what could not be removed."""
     failed = []
     for host in state["hosts"]:
-        if Path(f"/run/netns/{host['netns']}").exists():
-            _kill_namespace(host["netns"])
-            if _run("ip", "netns", "del", host["netns"], check=False).returncode:
-                failed.append(f"netns {host['netns']}")
+        if not _remove_namespace(host["netns"]):
+            failed.append(f"netns {host['netns']}")
         if Path(f"/sys/class/net/{host['veth']}").exists():
             _run("ip", "link", "del", host["veth"], check=False)
         uts = Path(host["uts"])

@@ -117,6 +117,24 @@ def test_a_killed_owner_leaves_nothing_behind(emulated_hosts):
     assert not _sleeping(marker)
 
 
+def test_a_launch_racing_the_teardown_leaves_nothing(emulated_hosts):
+    """A command started on a host just before the hosts are removed (the owner killed right after
+    a launch) may enter its namespace after the teardown listed the namespace's processes: the
+    teardown kills it anyway. Before the fix, 11 of 15 such launches outlived their host."""
+    emulated_hosts()
+    for i in range(5):
+        marker = f"301.{os.getpid()}{i}"
+        with EmulatedHosts(2, guard=False) as hosts:
+            launch = subprocess.Popen(hosts.exec_command(0, ["sleep", marker]), stderr=subprocess.DEVNULL)
+        try:
+            launch.wait(timeout=20)  # killed, or failed to enter the deleted namespace
+        except subprocess.TimeoutExpired:
+            launch.kill()
+            launch.wait()
+            pytest.fail(f"launch {i} outlived its host")
+        assert not _sleeping(marker), f"launch {i} outlived its host"
+
+
 def _sleeping(marker):
     """The processes that run ``sleep MARKER``."""
     found = []
