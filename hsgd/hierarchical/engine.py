@@ -1,8 +1,8 @@
 """The hierarchical family's engine, and the base of its modes.
 
-:class:`HierarchicalEngine` is a shared window with two-level averaging
-(:class:`~hsgd.hierarchical.averager.HierarchicalAverager`), the trained
-gradients (``bind="grad"``) or parameters (``"data"``) bound to this rank's
+:class:`HierarchicalEngine` is the family's one object below the mode: a
+two-level averager (:class:`~hsgd.hierarchical.averager.HierarchicalAverager`,
+which it extends) with the trained gradients (``bind="grad"``) or parameters (``"data"``) bound to this rank's
 slot (:class:`~hsgd._engine.binding.SlotBinding`) and, for
 ``HierarchicalSGD(overlap=True)``, the averaging of gradient buckets during
 backward (``hsgd.hierarchical.overlap.BackwardOverlap``) or, for
@@ -51,14 +51,19 @@ def _layout(params, bind: str) -> Layout:
         raise collective_error(InputTypeError, str(exc)) from None
 
 
-class HierarchicalEngine(Engine):
-    """The averager, the binding and (optionally) the backward overlap. Collective to build.
+class HierarchicalEngine(HierarchicalAverager, Engine):
+    """The averager of a hierarchical mode: a :class:`HierarchicalAverager` whose slot holds the
+    mode's tensors. Collective to build.
 
-    ``meter``: the mode's :class:`~hsgd._core.meter.Meter`, given to the averager and the outer
-    step, which count their bytes in it and report their phases to it.
+    The trained gradients (``bind="grad"``, with the used-flags) or parameters (``"data"``)
+    are bound to this rank's slot; :meth:`average_bound` averages them, and the averager's own
+    methods (:meth:`~HierarchicalAverager.average`, the per-span phases) work on the slot as
+    for any averager. One object: the mode's ``engine`` and ``averager`` are this.
+
+    ``meter``: the mode's :class:`~hsgd._core.meter.Meter`, which both levels and the outer
+    step count their bytes in and report their phases to.
 
     Attributes:
-        averager: the :class:`~hsgd.hierarchical.averager.HierarchicalAverager`.
         binding: the :class:`~hsgd._engine.binding.SlotBinding` of ``params``.
         overlap: the ``hsgd.hierarchical.overlap.BackwardOverlap``, or ``None``.
         outer: the :class:`~hsgd.hierarchical.outer.OuterLoop`, or ``None``.
@@ -66,42 +71,39 @@ class HierarchicalEngine(Engine):
 
     def __init__(self, topology: Topology, params: List[torch.nn.Parameter], bind: str, inter_node: str,
                  compression: Optional[str], zero_copy: bool = True, meter: Optional[Meter] = None) -> None:
-        self.meter = Meter() if meter is None else meter
-        with contextlib.ExitStack() as undo:  # if the constructor fails: free what it built
-            self.averager = HierarchicalAverager(topology, _layout(params, bind), inter_node, compression, self.meter)
-            undo.callback(self.averager.close)
-            self.overlap: Optional[BackwardOverlap] = None
-            self.outer: Optional[OuterLoop] = None
-            self._args = (topology, params, compression)
-            self.binding = SlotBinding(self.averager, params, bind, flags=bind == "grad", zero_copy=zero_copy)
+        self.overlap: Optional[BackwardOverlap] = None
+        self.outer: Optional[OuterLoop] = None
+        self._args = (params, compression)
+        super().__init__(topology, _layout(params, bind), inter_node, compression, meter)
+        with contextlib.ExitStack() as undo:  # if the binding fails: free the window
+            undo.callback(super()._close)
+            self.binding = SlotBinding(self, params, bind, flags=bind == "grad", zero_copy=zero_copy)
             undo.pop_all()
-        self._opened()
 
     def start_overlap(self, **kwargs: Any) -> None:
         """Average the bound gradients in buckets during backward (:class:`BackwardOverlap`'s
         arguments but the averager and the binding). Collective."""
-        self.overlap = BackwardOverlap(self.averager, self.binding, **kwargs)
+        self.overlap = BackwardOverlap(self, self.binding, **kwargs)
 
     def start_outer(self, factory: OuterFactory, period: int, fragments: int, delay: int, alpha: float) -> None:
         """DiLoCo's outer step over the bound parameters (:class:`OuterLoop`'s arguments), in a
         second window of the same layout and inter-node strategy. Collective."""
-        topology, params, compression = self._args
-        self.outer = OuterLoop(topology, self.averager.layout, self.averager.inter_node, compression, params, factory,
+        params, compression = self._args
+        self.outer = OuterLoop(self.topology, self.layout, self.inter_node, compression, params, factory,
                                period, fragments, delay, alpha, meter=self.meter)
 
-    def average(self, level: str, weight: float, passes: int = 1) -> None:
+    def average_bound(self, level: str, weight: float, passes: int = 1) -> None:
         """Replace every rank's bound tensors by their mean over ``level``, each rank's weighted by
         ``weight`` and the result divided by ``passes``."""
         self.binding.gather()
         if weight != 1.0:
             self.binding.scale_(weight)
-        self.averager.average(level, 1.0 / passes)
+        self.average(level, 1.0 / passes)
         self.binding.scatter()
 
     def describe(self) -> str:
-        compression = self.averager.inter.compression
-        return f"inter_node={self.averager.inter_node!r}" + \
-            ("" if compression == "none" else f", compression={compression!r}")
+        compression = self.inter.compression
+        return f"inter_node={self.inter_node!r}" + ("" if compression == "none" else f", compression={compression!r}")
 
     def _close(self) -> None:
         if self.outer is not None:
@@ -111,7 +113,7 @@ class HierarchicalEngine(Engine):
             self.overlap.close()
             self.overlap = None
         self.binding.unbind()
-        self.averager.close()
+        super()._close()
 
 
 class HierarchicalMode(SyncMode):
@@ -145,6 +147,6 @@ class HierarchicalMode(SyncMode):
                                   self.meter)
 
     @property
-    def averager(self) -> HierarchicalAverager:
-        """The engine's two-level averager."""
-        return self.engine.averager
+    def averager(self) -> HierarchicalEngine:
+        """The two-level averager of the mode's tensors: its :attr:`engine`."""
+        return self.engine

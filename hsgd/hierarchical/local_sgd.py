@@ -139,7 +139,7 @@ class HierarchicalLocalSGD(HierarchicalMode):
             level = None if outer.overwrites(step) else "node"
         if level is not None:
             # batch_shares: rank r's parameters count in proportion to its batch
-            self.engine.average(level, self._shares.factor(level))
+            self.engine.average_bound(level, self._shares.factor(level))
         if outer is not None:
             outer.step(step, self._shares.factor("global"))
 

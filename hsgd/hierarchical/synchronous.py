@@ -142,7 +142,7 @@ class HierarchicalSGD(HierarchicalMode):
         # batch_shares: the average weights rank r by its batch; under GradScaler.step() each
         # rank's gradients are unscaled by its own loss scale before they are summed
         with self.stall.waiting(self.num_steps, "synchronize()"):
-            self.engine.average("global", self.step_weight("global"), self.settings.backward_passes_per_step)
+            self.engine.average_bound("global", self.step_weight("global"), self.settings.backward_passes_per_step)
         self._synchronized = True
 
     def _finish_overlap(self) -> None:
