@@ -147,6 +147,7 @@ class HierarchicalMode(SyncMode):
                                   self.meter)
 
     @property
-    def averager(self) -> HierarchicalEngine:
-        """The two-level averager of the mode's tensors: its :attr:`engine`."""
+    def averager(self) -> HierarchicalAverager:
+        """The averager of the mode's tensors (its engine, which extends
+        :class:`~hsgd.hierarchical.averager.HierarchicalAverager`)."""
         return self.engine
