@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,17 +114,21 @@ def whole_runs(tmp_path_factory, cache):
     return run
 
 
-# stop mid-epoch, and (STEPS_PER_EPOCH) on an epoch's last step
-@pytest.mark.parametrize("extra,stop_at", [([], 23), (LOCAL_SGD, 23), (STREAMING_DILOCO, 23),
-                                           ([], STEPS_PER_EPOCH)])
-def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, whole_runs, extra, stop_at):
+# Stopped mid-epoch (step 23) and resumed; the plain setting is stopped again on an epoch's last
+# step (STEPS_PER_EPOCH) by its first resume, and resumed from there: one chain of runs for both.
+@pytest.mark.parametrize("extra,stops", [([], (23, STEPS_PER_EPOCH)), (LOCAL_SGD, (23,)), (STREAMING_DILOCO, (23,))])
+def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, whole_runs, extra, stops):
     common = [*SMALL, "--optimizer", "sgd", "--lr", "0.05", *extra]
     whole = whole_runs(extra)
     part = tmp_path / "part"
-    first = train(2, [*common, "--run-dir", str(part), "--stop-after", str(stop_at)], cache)
-    assert first.returncode == 0, first.stderr
-    assert f"stopped (stop-after) after {stop_at} steps" in first.stderr
-    assert len(records(part, "epoch")) == (stop_at == STEPS_PER_EPOCH)  # the epoch ended before the stop
+    done = 0
+    for stop_at in stops:
+        first = train(2, [*common, "--run-dir", str(part), "--stop-after", str(stop_at - done),
+                          *(["--resume"] if done else [])], cache)
+        assert first.returncode == 0, first.stderr
+        assert f"stopped (stop-after) after {stop_at} steps" in first.stderr
+        assert len(records(part, "epoch")) == (stop_at == STEPS_PER_EPOCH)  # the epoch ended before the stop
+        done = stop_at
     second = train(2, [*common, "--run-dir", str(part), "--resume"], cache)
     assert second.returncode == 0, second.stderr
     assert "resuming from" in second.stderr
@@ -276,32 +281,37 @@ def test_signal_checkpoints_and_exits_for_requeue(tmp_path, cache, extra, sig):
     assert f"stopped (signal) after {state['step']} steps" in err  # one step for every rank
 
 
-def test_balance_gives_the_straggler_less_and_resumes_with_the_saved_shares(tmp_path, cache):
-    run = tmp_path / "run"
-    epochs, _ = stop_at_20_and_resume(run, ["--balance", "--straggler", "1:3"], cache)
+def test_balance_gives_the_straggler_less_and_a_resume_keeps_the_saved_shares(tmp_path, cache):
+    """--balance gives the slow rank less. Shares saved mid-epoch keep weighting that epoch when
+    the run resumes, with --balance (balanced anew after it) or without (equal batches after it);
+    a mode that cannot weight them is refused with one error. One stopped run, resumed both ways."""
+    run, plain = tmp_path / "run", tmp_path / "plain"
+    balance = ["--balance", "--straggler", "1:3"]
+    first = train(2, [*SMALL, "--ranks-per-node", "1", *balance, "--run-dir", str(run), "--stop-after", "20"],
+                  cache)
+    assert first.returncode == 0, first.stderr
+    shutil.copytree(run, plain)
+    saved = torch.load(run / "checkpoints" / f"ckpt-{20:09d}.pt", weights_only=False)["loader"]["shares"]
+
+    second = train(2, [*SMALL, "--ranks-per-node", "1", *balance, "--run-dir", str(run), "--resume"], cache)
+    assert second.returncode == 0, second.stderr
+    assert "resuming from" in second.stderr and "(step 20)" in second.stderr
+    epochs = records(run, "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1]
     for epoch in epochs:
         shares = epoch["batch_shares"]
         assert sum(shares) == 64 and min(shares) >= 1 and shares[1] < shares[0], shares
         assert math.isfinite(epoch["train_loss"])
-    stopped = torch.load(run / "checkpoints" / f"ckpt-{20:09d}.pt", weights_only=False)
-    assert stopped["loader"]["shares"] == epochs[0]["batch_shares"]  # the resumed epoch kept them
+    assert saved == epochs[0]["batch_shares"]  # the resumed epoch kept them
     assert epochs[-1]["test_acc"] > 0.25  # 10 classes: chance is 0.1
 
-
-def test_balanced_checkpoint_resumed_without_balance(tmp_path, cache):
-    """Shares saved mid-epoch keep weighting that epoch (then equal batches); a mode that
-    cannot weight them is refused with one error."""
-    run = tmp_path / "run"
-    common = [*SMALL, "--run-dir", str(run)]
-    first = train(2, [*common, "--balance", "--straggler", "1:3", "--stop-after", "20"], cache)
-    assert first.returncode == 0, first.stderr
+    common = [*SMALL, "--ranks-per-node", "1", "--run-dir", str(plain)]
     refused = train(2, [*common, "--resume", "--sync", "gossip"], cache)
     errors = [line for line in refused.stderr.splitlines() if "error:" in line]
     assert refused.returncode == 2 and len(errors) == 1 and "cannot weight them" in errors[0], refused.stderr
     resumed = train(2, [*common, "--resume"], cache)
     assert resumed.returncode == 0, resumed.stderr
-    saved = torch.load(run / "checkpoints" / f"ckpt-{20:09d}.pt", weights_only=False)["loader"]["shares"]
-    epochs = records(run, "epoch")
+    epochs = records(plain, "epoch")
     assert epochs[0]["batch_shares"] == saved != [32, 32] and epochs[1]["batch_shares"] == [32, 32]
 
 
@@ -328,9 +338,11 @@ def bad_h5(tmp_path, name, **arrays):
 
 
 def bad_inputs(tmp_path):
-    """(name, extra args, text the one error line must contain). A flag's own checks are
+    """(name, ranks, extra args, text the one error line must contain). A flag's own checks are
     unit-tested (tests/unit/test_config.py); these show that an error of each kind (a bad
-    flag, a bad file, a problem only the ranks together see) ends the job with one line."""
+    flag, a bad file, a problem only the ranks together see) ends the job with one line. One
+    case of each kind runs on 2 ranks (every rank finds the error; one line is printed); the
+    other cases of the same kind, on the same path, run on 1 rank (half the processes)."""
     not_h5 = tmp_path / "text.h5"
     not_h5.write_text("hello")
     tiny = bad_h5(tmp_path, "tiny.h5", x=np.zeros((8, 40), np.float32), y=np.arange(8) % 2)
@@ -338,25 +350,25 @@ def bad_inputs(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     return [
-        ("model", ["--model", "transformer"], "--model 'transformer' is not a built-in model"),
-        ("lr", ["--lr", "0"], "--lr must be positive"),
-        ("missing", ["--data", str(tmp_path / "nope.h5")], "nope.h5"),
-        ("not hdf5", ["--data", str(not_h5)], "HDF5"),
-        ("key", ["--data", tiny, "--x-key", "images"], "images"),
-        ("labels", ["--data", floats, "--x-key", "x", "--y-key", "y"], "label"),
-        ("batch", ["--data", tiny, "--x-key", "x", "--y-key", "y", "--batch-size", "64"], "larger than the 8"),
-        ("unwritable", ["--checkpoint-dir", str(blocker / "sub")], "--checkpoint-dir"),
-        ("odd batch", ["--batch-size", "63"], "multiple of the 2 ranks"),
-        ("straggler rank", ["--straggler", "2:3"], "no rank 2 in a job of 2 ranks"),
-        ("overlap fp16", ["--overlap", "--amp", "fp16"], "--overlap averages the gradients during backward"),
+        ("model", 1, ["--model", "transformer"], "--model 'transformer' is not a built-in model"),
+        ("lr", 2, ["--lr", "0"], "--lr must be positive"),
+        ("missing", 2, ["--data", str(tmp_path / "nope.h5")], "nope.h5"),
+        ("not hdf5", 1, ["--data", str(not_h5)], "HDF5"),
+        ("key", 1, ["--data", tiny, "--x-key", "images"], "images"),
+        ("labels", 1, ["--data", floats, "--x-key", "x", "--y-key", "y"], "label"),
+        ("batch", 1, ["--data", tiny, "--x-key", "x", "--y-key", "y", "--batch-size", "64"], "larger than the 8"),
+        ("unwritable", 1, ["--checkpoint-dir", str(blocker / "sub")], "--checkpoint-dir"),
+        ("odd batch", 2, ["--batch-size", "63"], "multiple of the 2 ranks"),
+        ("straggler rank", 2, ["--straggler", "2:3"], "no rank 2 in a job of 2 ranks"),
+        ("overlap fp16", 2, ["--overlap", "--amp", "fp16"], "--overlap averages the gradients during backward"),
     ] + ([] if torch.cuda.is_available() else
-         [("no GPU", ["--device", "cuda"], "--device cuda, but torch sees no GPU")])
+         [("no GPU", 1, ["--device", "cuda"], "--device cuda, but torch sees no GPU")])
 
 
 def test_bad_input_gets_one_message_and_exit_2(tmp_path, cache):
     failures = []
-    for name, args, text in bad_inputs(tmp_path):
-        proc = train(2, [*SMALL, "--run-dir", str(tmp_path / "runs" / name), *args], cache, timeout=120)
+    for name, ranks, args, text in bad_inputs(tmp_path):
+        proc = train(ranks, [*SMALL, "--run-dir", str(tmp_path / "runs" / name), *args], cache, timeout=120)
         errors = [line for line in proc.stderr.splitlines() if "error:" in line]
         if proc.returncode != 2 or len(errors) != 1 or text not in errors[0] or "Traceback" in proc.stderr:
             failures.append(f"{name}: exit {proc.returncode}, stderr:\n{proc.stderr[-2000:]}")
