@@ -15,6 +15,7 @@ sums are not finite leaves it as it was (:meth:`Channel.settle`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # importing mpi4py.MPI initializes MPI: not at import time
 
     from ..intra_node import Layout
 
-__all__ = ["Codec", "Channel", "Part", "Step", "CodecChoice", "entry_ranges", "Gathered"]
+__all__ = ["Codec", "Channel", "Part", "Step", "CodecChoice", "entry_ranges", "Gathered", "sum_steps"]
 
 #: A step of a sum across nodes: ``fn() -> (request, finish or None)``, started once the step
 #: before it completed; ``finish()`` runs once its request completed.
@@ -102,7 +103,7 @@ class Codec:
     def check_layout(self, layout: Layout) -> None:
         """Raise an :class:`~hsgd.errors.InputError` if it cannot serve the tensors of ``layout``."""
 
-    def open(self, comm: MPI.Intracomm, layout: Layout, chunk_bytes: int) -> Channel:
+    def open(self, comm: MPI.Comm, layout: Layout, chunk_bytes: int) -> Channel:
         """Its :class:`Channel` on this rank of ``comm``, for the node sums laid out by ``layout``
         (sums of at most ``chunk_bytes`` on the wire at a time, where it cuts them)."""
         raise NotImplementedError
@@ -142,12 +143,14 @@ class Gathered:
         self.flat = torch.empty(self.numel + extra, dtype=part.values.dtype)  # ``extra``: the codec's own
 
     def gather(self) -> None:
+        """Copy the ranges from the part into the buffer."""
         at = 0
         for lo, hi in self.ranges:
             self.flat[at:at + hi - lo] = self.part.values[lo - self.part.lo:hi - self.part.lo]
             at += hi - lo
 
     def scatter(self) -> None:
+        """Copy the buffer back into the ranges of the part."""
         at = 0
         for lo, hi in self.ranges:
             self.part.values[lo - self.part.lo:hi - self.part.lo] = self.flat[at:at + hi - lo]
@@ -169,4 +172,4 @@ def sum_steps(comm, flat: torch.Tensor, before: Optional[Callable[[], None]] = N
                 before()
             started.extend(start_sum(comm, flat.numpy()))
         return started[i](), (after if i == count - 1 else None)
-    return [lambda i=i: step(i) for i in range(count)]
+    return [functools.partial(step, i) for i in range(count)]

@@ -10,13 +10,17 @@ No state, no error feedback: the rounding of each step is not carried over.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Tuple
+import functools
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
 from .._core.checks import check_choice
 from .._core.traffic import allreduce_bytes
 from .codec import Channel, Codec, Part, Step
+
+if TYPE_CHECKING:  # importing mpi4py.MPI initializes MPI: not at import time
+    from mpi4py import MPI
 
 __all__ = ["Half"]
 
@@ -60,7 +64,7 @@ class _HalfChannel(Channel):
         from mpi4py import MPI
 
         self.comm, self.dtype, self.chunk_bytes = comm, dtype, chunk_bytes
-        self._op = MPI.Op.Create(_adder(dtype), commute=True)
+        self._op: Optional[MPI.Op] = MPI.Op.Create(_adder(dtype), commute=True)
 
     def steps(self, part: Part) -> Tuple[List[Step], int]:
         values = part.values
@@ -90,7 +94,7 @@ class _HalfChannel(Channel):
                 # the mean of the node sums: in range for 16 bits however many nodes there are
                 wire.copy_(tensor.view(-1).mul(1.0 / parties))
             return sums[i](), finish if i == len(sums) - 1 else None
-        return [lambda i=i: step(i) for i in range(len(sums))]
+        return [functools.partial(step, i) for i in range(len(sums))]
 
     def close(self) -> None:
         if self._op is not None:

@@ -16,6 +16,7 @@ node's message where it is computed, and of the share the rank reduces.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -137,7 +138,8 @@ class _QuantizedChannel(Channel):
         steps: List[Step] = []
         sent = 0
         for c, (_, n, counts) in enumerate(state.chunks):
-            steps += [lambda c=c: self._exchange(part, state, c), lambda c=c: self._gather(part, state, c)]
+            steps += [functools.partial(self._exchange, part, state, c),
+                      functools.partial(self._gather, part, state, c)]
             sent += (n - counts[me] + counts[me] * (p - 1)) * self.record
         if state.exact:
             exact = Gathered(part, state.exact)

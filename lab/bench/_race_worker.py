@@ -101,6 +101,8 @@ def _race(method: str, args, comm, topology, data, meter: Optional[LinkMeter]) -
     torch.manual_seed(0)
     model = MLP(FEATURES, CLASSES, hidden=args.width)
     inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # to zero over the run: the last steps' model is settled, so that the final scores compare
+    schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda t: 1 - t / args.steps)
     net, opt, close = _wrap(method, model, inner, topology, args)
     batches = _Batches(x, y, args.batch, comm.rank, comm.size)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -116,6 +118,7 @@ def _race(method: str, args, comm, topology, data, meter: Optional[LinkMeter]) -
         opt.zero_grad()
         loss_fn(net(inputs), labels).backward()
         opt.step()
+        schedule.step()
         if step % args.eval_every == 0 or step == args.steps:
             trained += time.perf_counter() - start  # the clock stops for the evaluation
             seconds = comm.allreduce(trained, op=MPI.MAX)
@@ -131,6 +134,15 @@ def _race(method: str, args, comm, topology, data, meter: Optional[LinkMeter]) -
             "inter_bytes": inter, "params": sum(p.numel() for p in model.parameters())}
 
 
+def _first_optimizer_step() -> None:
+    """An optimizer's first step imports torch._dynamo (seconds): done once here, untimed."""
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    torch.optim.SGD([p], lr=0.1, momentum=0.9).step()
+
+
 def worker(args):
     """On every rank: each method, ``--repeats`` times in rotating order; rank 0 returns the rows."""
     import torch
@@ -141,6 +153,7 @@ def worker(args):
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)  # ranks share the cores
+    _first_optimizer_step()  # its one-off imports, before any method's clock
     topology = Topology.from_comm(comm, ranks_per_node=None if on_hosts(args) else args.ranks_per_node)
     init_gloo(args, comm, args._port)
     meter = LinkMeter(comm) if on_hosts(args) else None

@@ -34,13 +34,14 @@ def add_arguments(p) -> None:
                    help="virtual node size on this host, without --hosts (2)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
                    help=f"which to race, of: {', '.join(repr(m) for m in METHODS)} (all)")
-    p.add_argument("--steps", type=int_at_least(1), default=300, help="steps of every method (300)")
+    p.add_argument("--steps", type=int_at_least(1), default=200, help="steps of every method (200)")
     p.add_argument("--eval-every", type=int_at_least(1), default=25, help="score the test set every N steps (25)")
-    p.add_argument("--target", type=positive_float, default=0.6, help="the test accuracy to reach (0.6)")
+    p.add_argument("--target", type=positive_float, default=0.7, help="the test accuracy to reach (0.7)")
     p.add_argument("--repeats", type=int_at_least(1), default=1,
                    help="runs of every method, in rotating order; the table shows medians (1)")
     p.add_argument("--batch", type=int_at_least(1), default=64, help="samples per rank per step (64)")
-    p.add_argument("--lr", type=positive_float, default=0.1, help="SGD's learning rate, momentum 0.9 (0.1)")
+    p.add_argument("--lr", type=positive_float, default=0.2,
+                   help="SGD's learning rate (momentum 0.9), decayed linearly to 0 over the steps (0.2)")
     p.add_argument("--width", type=int_at_least(1), default=1400,
                    help="the MLP's hidden units: 1400 gives 2.0M parameters (1400)")
     p.add_argument("--samples", type=int_at_least(1), default=40000, help="MNIST-1D training samples (40000)")
@@ -77,7 +78,8 @@ def _table(rows, args) -> Table:
     first = rows[0]
     where = (f"{args.hosts} emulated hosts, ranks {args.ranks_per_host} per host, links {args.link}"
              if on_hosts(args) else f"{first['ranks']} ranks on this host as {first['nodes']} nodes")
-    title = (f"MNIST-1D MLP ({first['params'] / 1e6:.2f}M parameters), batch {args.batch} per rank, SGD lr {args.lr}, "
+    title = (f"MNIST-1D MLP ({first['params'] / 1e6:.2f}M parameters), batch {args.batch} per rank, SGD lr {args.lr} "
+             f"to 0, "
              f"{args.steps} steps, target test accuracy {args.target}; {where}; median of {args.repeats}")
     table = Table(["method", "steps to target", "s to target", "DDP's s / this", "s per step",
                    "MB per step, busiest link", "bytes vs hsgd fp32", "link s per step", "final test acc",
