@@ -80,7 +80,10 @@ def _wrap(method: str, model, inner, topology, args) -> Tuple[Any, Any, Callable
             name, name)
         opt = HierarchicalSGD(inner, model, topology=topology, compression=codec)
         return model, opt, opt.close
-    ddp = DistributedDataParallel(model)
+    # powerSGD_hook waits for its second allreduce inside a callback that runs on one of gloo's two
+    # threads: with two buckets in flight both threads wait and the job hangs. So that hook gets one
+    # bucket (torch's 25 MB default, asked for explicitly, also caps the first bucket).
+    ddp = DistributedDataParallel(model, bucket_cap_mb=25 if method == "DDP powerSGD hook" else None)
     if method == "DDP fp16 hook":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif method == "DDP powerSGD hook":

@@ -5,6 +5,7 @@ One command (one job; every rank runs every method, one after another)::
     python -m lab.bench race --hosts 2 --ranks-per-host 2 --link 100mbit             # as root
     python -m lab.bench race --hosts 3 --link 100mbit,1gbit,1gbit
     python -m lab.bench race --ranks 4 --ranks-per-node 2 --steps 20                 # this host, virtual nodes
+    python -m lab.bench race --join a.json b.json          # one table of runs that raced some methods each
 
 Every method trains the same MLP on MNIST-1D (hidden width 1400: 2.0M parameters, 8 MB of
 gradients a step, so that the links bound the steps) from the same weights, on the same
@@ -19,6 +20,8 @@ score after the last step. What each column is: docs/benchmark-methods.md (``rac
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from hsgd._trainer.config import default_cache_dir
 from hsgd.bench._harness import Result, Table, int_at_least, median, positive_float
@@ -51,7 +54,14 @@ def add_arguments(p) -> None:
     p.add_argument("--cache-dir", default=default_cache_dir(), help="where MNIST-1D is generated once "
                    "(hsgd.train's default)")
     p.add_argument("--port", dest="_port", type=int, default=0, help=argparse.SUPPRESS)  # gloo's, set by run()
+    p.add_argument("--join", nargs="+", type=Path, default=None, metavar="JSON",
+                   help="run nothing: one table of the rows in earlier runs' --json files, run with the same "
+                        "settings but --methods and --repeats (a grid split over several runs)")
     add_hosts_options(p)
+
+
+# what may differ between the runs that --join puts in one table
+_PER_RUN = ("methods", "repeats", "json", "progress", "join", "_port", "_master")
 
 
 def check(args, extra, parser) -> None:
@@ -59,10 +69,27 @@ def check(args, extra, parser) -> None:
     if not args.target < 1:
         parser.error(f"argument --target: {args.target} is a test accuracy: use a fraction below 1")
     args.ranks = [args.ranks]  # one job: run_per_rank_count runs one per count
+    if args.join:
+        records = []
+        for path in args.join:
+            try:
+                records.append(json.loads(path.read_text()))
+            except (OSError, ValueError) as exc:
+                parser.error(f"argument --join: {path}: {exc}")
+            if records[-1].get("subcommand") != "race":
+                parser.error(f"argument --join: {path} is not the --json of a race")
+        settings = [{k: v for k, v in r["settings"].items() if k not in _PER_RUN} for r in records]
+        differ = sorted(k for k in settings[0] if any(s.get(k) != settings[0][k] for s in settings[1:]))
+        if differ:
+            parser.error(f"argument --join: the runs differ in {', '.join(differ)}: join runs of the same settings")
+        vars(args).update(settings[0])
+        args.rows = [row for r in records for row in r["raw"]]
+        args.methods = [m for m in METHODS if any(row["method"] == m for row in args.rows)]
 
 
 def run(args, extra) -> Result:
-    rows = run_per_rank_count("race", args, timeout=7200, gloo=True, drop_env=["HSGD_RANKS_PER_NODE"])
+    rows = args.rows if args.join else run_per_rank_count("race", args, timeout=7200, gloo=True,
+                                                             drop_env=["HSGD_RANKS_PER_NODE"])
     return Result([_table(rows, args)], rows)
 
 
@@ -76,11 +103,13 @@ def _busiest(row, steps: int):
 def _table(rows, args) -> Table:
     by = {m: [r for r in rows if r["method"] == m] for m in args.methods}
     first = rows[0]
+    runs = sorted({len(r) for r in by.values() if r})  # repeats of each method (--join: may differ)
     where = (f"{args.hosts} emulated hosts, ranks {args.ranks_per_host} per host, links {args.link}"
              if on_hosts(args) else f"{first['ranks']} ranks on this host as {first['nodes']} nodes")
     title = (f"MNIST-1D MLP ({first['params'] / 1e6:.2f}M parameters), batch {args.batch} per rank, SGD lr {args.lr} "
              f"to 0, "
-             f"{args.steps} steps, target test accuracy {args.target}; {where}; median of {args.repeats}")
+             f"{args.steps} steps, target test accuracy {args.target}; {where}; median of "
+             + (f"{runs[0]}" if len(runs) == 1 else f"{runs[0]} to {runs[-1]} runs of a method"))
     table = Table(["method", "steps to target", "s to target", "DDP's s / this", "s per step",
                    "MB per step, busiest link", "bytes vs hsgd fp32", "link s per step", "final test acc",
                    "vs hsgd fp32 (points)"], title=title,

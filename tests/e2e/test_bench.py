@@ -18,6 +18,7 @@ from mpirun import ROOT, run_command
 
 from hsgd.bench import SUBCOMMANDS
 from lab.bench import SUBCOMMANDS as LAB_SUBCOMMANDS
+from lab.bench.__main__ import main as lab_main
 from lab.bench._race_worker import METHODS as RACE_METHODS
 
 # Where each subcommand runs: the package's own (allreduce, train), else the lab's.
@@ -116,7 +117,7 @@ def test_the_package_runs_what_a_user_measures_on_their_cluster():
 
 
 @pytest.mark.parametrize("name", list(SMOKE))
-def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, cache):
+def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, cache, capsys):
     options, header, repeated, repeats = SMOKE[name]
     out = tmp_path / "out.json"
     proc = bench(name, *(o.format(cache=cache) for o in options), "--json", str(out), "--progress", "lines")
@@ -139,6 +140,14 @@ def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, ca
                                                                               for r in record["raw"])
         sent = {r["method"]: r["inter_bytes"] for r in record["raw"]}
         assert 0.25 < sent["hsgd int8"] / sent["hsgd fp32"] < 0.35 and sent["hsgd powersgd"] < sent["hsgd fp32"], sent
+        # --join (in this process: no launch): two runs' rows in one table; runs of other settings refused
+        other = tmp_path / "other.json"
+        other.write_text(json.dumps({**record, "settings": {**record["settings"], "steps": 5}}))
+        assert lab_main(["race", "--join", str(out), str(out)]) == 0
+        assert "median of 2" in capsys.readouterr().out
+        with pytest.raises(SystemExit):
+            lab_main(["race", "--join", str(out), str(other)])
+        assert "the runs differ in steps" in capsys.readouterr().err
     if name == "faults":  # the row says what happened, and the job left nothing behind
         (row,) = record["raw"]
         assert row["exit"] != 0 and "a bug on rank 1" in row["said"] and row["left"] == [], row
