@@ -6,11 +6,11 @@ design: the node leader allreduces the whole buffer with the other leaders; node
 any size) or ``"sharded"`` (:class:`ShardedAllreduce`, Horovod's hierarchical allreduce:
 local rank ``i`` allreduces its slice ``i`` with the ranks of local index ``i`` on the other
 nodes; equal nodes only, else :func:`make_inter_node` falls back to ``"leader"``). Both
-sum (the caller scales by ``1 / world_size``: the exact mean, nodes equal or not), in 16
-bits with ``compression`` (:mod:`hsgd.compression`), counting the bytes sent in ``meter``::
+sum (the caller scales by ``1 / world_size``: the exact mean, nodes equal or not), exactly or
+through a codec (:mod:`hsgd.compression`), counting the bytes sent in ``meter``::
 
     >>> strategy = make_inter_node("sharded", topo, meter=meter)
-    >>> strategy.allreduce_(node_sum, lo, hi)   # node_sum: slot 0's segment
+    >>> strategy.allreduce_(node_sums, (segment, lo, hi), mine)   # node_sums: slot 0's segment
     >>> strategy.close()
 """
 
@@ -28,13 +28,15 @@ from ._core.checks import check_choice
 from ._core.meter import Meter
 from ._core.traffic import allreduce_bytes
 from ._transport.sums import start_sum, sum_
-from .compression import make_codec
+from .compression import Channel, Codec, Part
 from .errors import InputValueError
 
 if TYPE_CHECKING:  # importing mpi4py.MPI initializes MPI: not at import time
     from mpi4py import MPI
 
 __all__ = ["LeaderAllreduce", "ShardedAllreduce", "Pending", "make_inter_node", "STRATEGIES", "CHUNK_BYTES"]
+
+Span = Tuple[int, int, int]  # (segment, lo, hi) of the node sums
 
 logger = logging.getLogger(__name__)
 
@@ -102,15 +104,21 @@ def _no_finish(start):
 
 
 class _Strategy:
-    """Sums over ``self.comm`` in place, exactly or through a 16-bit codec; the bytes sent go to
-    ``meter``."""
+    """Sums over ``self.comm`` in place, exactly or through a codec (:mod:`hsgd.compression`),
+    whose channel on this rank holds its state; the bytes sent go to ``meter``."""
 
     name = ""
     comm: Optional[MPI.Comm] = None  # None on a rank that takes no part (not a leader)
 
-    def __init__(self, compression: Optional[str], meter: Optional[Meter] = None):
-        self.codec = make_codec(compression)
+    def __init__(self, codec: Optional[Codec], meter: Optional[Meter], layout):
+        self.codec, self.layout = codec, layout
         self.meter = Meter() if meter is None else meter
+        self.channel: Optional[Channel] = None
+
+    def _open(self) -> None:
+        """The codec's channel, on a rank that takes part (once ``comm`` is set)."""
+        if self.codec is not None and self.comm is not None:
+            self.channel = self.codec.open(self.comm, self.layout, CHUNK_BYTES)
 
     def _comm(self) -> MPI.Comm:
         """``comm``, on a rank that takes part in the sums (every caller is one)."""
@@ -128,38 +136,60 @@ class _Strategy:
         return [tensor[lo:lo + step] for lo in range(0, tensor.numel(), step)]
 
     def _sent(self, part: torch.Tensor) -> int:
-        """The bytes this rank sends to sum ``part`` (16-bit values through a codec)."""
-        itemsize = part.element_size() if self.codec is None else self.codec.itemsize
-        return allreduce_bytes(part.numel() * itemsize, self._comm().Get_size())
+        """The bytes this rank sends to sum ``part`` exactly."""
+        return allreduce_bytes(part.numel() * part.element_size(), self._comm().Get_size())
 
-    def _allreduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over ``comm`` in place, in chunks of at most ``CHUNK_BYTES``, counting
-        the bytes this rank sends."""
-        for part in self._chunks(tensor):
-            if self.codec is not None:
-                self.codec.allreduce_(self._comm(), part)
-            else:
-                sum_(self._comm(), part.numpy())
-            self.meter.add_inter(self._sent(part))
+    def _allreduce(self, part: Part) -> None:
+        """Sum ``part`` over ``comm`` in place (exactly: in chunks of at most ``CHUNK_BYTES``),
+        counting the bytes this rank sends."""
+        if self.channel is not None:
+            self.start_allreduce(part).wait()
+            return
+        for chunk in self._chunks(part.values):
+            sum_(self._comm(), chunk.numpy())
+            self.meter.add_inter(self._sent(chunk))
 
-    def start_allreduce(self, tensor: torch.Tensor) -> Pending:
-        """:meth:`_allreduce` without waiting: each chunk's non-blocking sum (``Iallreduce``, or
-        ``Ialltoallv`` then ``Iallgatherv``), one step after another, in the same order on
-        every rank of ``comm``; ``tensor`` holds the sums once the returned :class:`Pending` is
-        done. The bytes are counted now."""
-        parts, steps = self._chunks(tensor), []
-        for part in parts:
-            if self.codec is not None:
-                steps += self.codec.start_allreduce(self._comm(), part)
-            else:
-                steps += [functools.partial(_no_finish, step) for step in start_sum(self._comm(), part.numpy())]
-        self.meter.add_inter(sum(map(self._sent, parts)))
-        return Pending(steps)
+    def start_allreduce(self, part: Part) -> Pending:
+        """:meth:`_allreduce` without waiting: the non-blocking steps of each chunk's sum
+        (``Iallreduce``, or ``Ialltoallv`` then ``Iallgatherv``), or of the codec's, one after
+        another, in the same order on every rank of ``comm``; ``part`` holds the sums once the
+        returned :class:`Pending` is done. The bytes are counted now."""
+        if self.channel is not None:
+            steps, sent = self.channel.steps(part)
+            self.meter.add_inter(sent)
+            return Pending(steps)
+        chunks = self._chunks(part.values)
+        self.meter.add_inter(sum(map(self._sent, chunks)))
+        return Pending([functools.partial(_no_finish, step) for chunk in chunks
+                        for step in start_sum(self._comm(), chunk.numpy())])
+
+    # --- the codec's error feedback (none without a channel)
+    def settle(self, finite: Callable[[], bool]) -> None:
+        """After a round of sums: keep the codec's error feedback if ``finite()`` (the round's
+        averages are finite: asked only here, where there is feedback to keep), else drop it."""
+        if self.channel is not None and self.channel.pending:
+            self.channel.settle(finite())
+
+    def state_dict(self) -> Optional[dict]:
+        """The channel's state on this rank (``None``: none)."""
+        return None if self.channel is None else self.channel.state_dict()
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        if self.channel is not None and state is not None:
+            self.channel.load_state_dict(state)
+
+    def reset(self) -> None:
+        """The codec's state as at construction: a new channel (local)."""
+        self._close_channel()
+        self._open()
+
+    def _close_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
     def close(self) -> None:
-        if self.codec is not None:
-            self.codec.close()
-            self.codec = None
+        self._close_channel()
 
 
 class LeaderAllreduce(_Strategy):
@@ -167,18 +197,22 @@ class LeaderAllreduce(_Strategy):
 
     name = "leader"
 
-    def __init__(self, topology, compression: Optional[str] = None, meter: Optional[Meter] = None):
-        super().__init__(compression, meter)
+    def __init__(self, topology, codec: Optional[Codec] = None, meter: Optional[Meter] = None, layout=None):
+        super().__init__(codec, meter, layout)
         self.comm = topology.leader_comm
+        self._open()
 
-    def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> None:
-        """Allreduce the node sum (leaders only)."""
+    def allreduce_(self, node_sums: torch.Tensor, span: Span, mine: Tuple[int, int]) -> None:
+        """Allreduce ``span`` = ``(segment, lo, hi)`` of the node sums (``node_sums``: that segment
+        of slot 0), on leaders only."""
         if self.comm is not None:
-            self._allreduce(node_sum)
+            self._allreduce(Part(span[0], span[1], span[2], node_sums[span[1]:span[2]]))
 
-    def start_allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> Pending:
+    def start_allreduce_(self, node_sums: torch.Tensor, span: Span, mine: Tuple[int, int]) -> Pending:
         """:meth:`allreduce_` without waiting (leaders only; the others get a done ``Pending``)."""
-        return Pending(()) if self.comm is None else self.start_allreduce(node_sum)
+        if self.comm is None:
+            return Pending(())
+        return self.start_allreduce(Part(span[0], span[1], span[2], node_sums[span[1]:span[2]]))
 
 
 class ShardedAllreduce(_Strategy):
@@ -186,22 +220,23 @@ class ShardedAllreduce(_Strategy):
 
     name = "sharded"
 
-    def __init__(self, topology, compression: Optional[str] = None, meter: Optional[Meter] = None):
+    def __init__(self, topology, codec: Optional[Codec] = None, meter: Optional[Meter] = None, layout=None):
         if not topology.equal_nodes:
             raise InputValueError(
                 f"inter_node='sharded' needs nodes of equal size; got "
                 f"{list(topology.node_sizes)}. Use inter_node='leader'")
-        super().__init__(compression, meter)
+        super().__init__(codec, meter, layout)
         # Ranks with the same local index, one per node, ordered by node.
         self.comm = topology.comm.Split(topology.local_rank, topology.node_index)
+        self._open()
 
-    def allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> None:
-        """Allreduce this rank's slice ``[lo, hi)`` of the node sum."""
-        self._allreduce(node_sum[lo:hi])
+    def allreduce_(self, node_sums: torch.Tensor, span: Span, mine: Tuple[int, int]) -> None:
+        """Allreduce this rank's slice ``mine`` = ``(lo, hi)`` of ``span`` of the node sums."""
+        self._allreduce(Part(span[0], mine[0], mine[1], node_sums[mine[0]:mine[1]]))
 
-    def start_allreduce_(self, node_sum: torch.Tensor, lo: int, hi: int) -> Pending:
+    def start_allreduce_(self, node_sums: torch.Tensor, span: Span, mine: Tuple[int, int]) -> Pending:
         """:meth:`allreduce_` without waiting."""
-        return self.start_allreduce(node_sum[lo:hi])
+        return self.start_allreduce(Part(span[0], mine[0], mine[1], node_sums[mine[0]:mine[1]]))
 
     def close(self) -> None:
         super().close()
@@ -210,10 +245,12 @@ class ShardedAllreduce(_Strategy):
             self.comm = None
 
 
-def make_inter_node(name: str, topology, compression: Optional[str] = None, meter: Optional[Meter] = None):
-    """Build the level-2 strategy ``name`` for ``topology`` (collective), summing through
-    ``compression`` (``None``/``"none"``, ``"fp16"``, ``"bf16"``) if given and counting the
-    bytes it sends in ``meter`` (default a :class:`~hsgd._core.meter.Meter` of its own).
+def make_inter_node(name: str, topology, codec: Optional[Codec] = None, meter: Optional[Meter] = None,
+                    layout=None):
+    """Build the level-2 strategy ``name`` for ``topology`` (collective), summing through ``codec``
+    (:mod:`hsgd.compression`; ``None``: exactly) the node sums laid out by ``layout`` (an
+    :class:`~hsgd.intra_node.Layout`), and counting the bytes it sends in ``meter`` (default a
+    :class:`~hsgd._core.meter.Meter` of its own).
 
     ``"sharded"`` on nodes of unequal size warns and returns ``"leader"``;
     every rank sees the same node sizes, so every rank makes the same choice.
@@ -226,4 +263,4 @@ def make_inter_node(name: str, topology, compression: Optional[str] = None, mete
             RuntimeWarning, stacklevel=2)
         name = "leader"
     logger.debug("inter-node strategy %s on %s", name, topology)
-    return (LeaderAllreduce if name == "leader" else ShardedAllreduce)(topology, compression, meter)
+    return (LeaderAllreduce if name == "leader" else ShardedAllreduce)(topology, codec, meter, layout)

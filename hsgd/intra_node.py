@@ -54,13 +54,20 @@ class Layout:
 
     ``Layout(specs)`` takes ``(dtype, numel)`` pairs in order and assigns each
     a ``(segment, offset)``; tensors of the same dtype share a segment.
-    Unsupported dtypes raise ``TypeError``.
+    Unsupported dtypes raise ``TypeError``. What the codecs across nodes read
+    (:mod:`hsgd.compression`): ``shapes``, each entry's shape (default: flat), and
+    ``exact``, the entries every codec sums exactly (the used-flags of a binding).
     """
 
-    def __init__(self, specs: Sequence[Tuple[torch.dtype, int]]):
+    def __init__(self, specs: Sequence[Tuple[torch.dtype, int]],
+                 shapes: Optional[Sequence[Sequence[int]]] = None, exact: Sequence[int] = ()):
         self.dtypes: List[torch.dtype] = []
         self.numels: List[int] = []
         self.places: List[Tuple[int, int]] = []
+        self.sizes: List[int] = [numel for _, numel in specs]  # each entry's elements
+        self.shapes: List[Tuple[int, ...]] = ([(n,) for n in self.sizes] if shapes is None
+                                              else [tuple(shape) for shape in shapes])
+        self.exact = frozenset(exact)
         for dtype, numel in specs:
             if dtype not in SUPPORTED_DTYPES:
                 raise InputTypeError(

@@ -267,6 +267,12 @@ class SyncMode(InnerOptimizer, GradScalerStep, Closable):
         """Names of the trainable parameters, in the order of ``model.parameters()`` (the bound ones)."""
         return [name for name, p in self.model.named_parameters() if p.requires_grad]
 
+    def rank_state_dict(self) -> Optional[Dict[str, Any]]:
+        """The entries of :meth:`state_dict` that differ between ranks although the replicas do not
+        (a codec's error feedback), for a checkpoint that saves one rank's :meth:`state_dict` and
+        gathers these from every rank; ``None``: none."""
+        return None
+
     @collective("load_shared_state_dict()")
     def load_shared_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """After the model was loaded from a checkpoint, set any state the mode keeps besides

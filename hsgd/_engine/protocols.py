@@ -70,6 +70,10 @@ class OverlapAverager(SlotOwner, Protocol):
     def spread_of(self, span: Span, scale: float) -> None:
         """This rank's slice of ``span``, ``scale`` times slot 0's, into every slot."""
 
+    def settle(self) -> None:
+        """The round's averages are in this rank's slot: the codec keeps its error feedback if
+        they are finite, else drops it."""
+
     @property
     def meter(self) -> Meter:
         """What the averaging counts its bytes in and reports its phases to."""

@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any, Dict, List, Optional, Type
 
 from .._core.settings import Choice, Names, Settings, fields_of, flag_of
+from ..compression import codec_of
 from ..errors import InputError
 from ..modes import SYNC_MODES, SyncMode
 
@@ -78,7 +79,9 @@ def mode_settings(cfg) -> Settings:
 
 def mode_problem(cfg) -> Optional[str]:
     """The first bad mode flag, as an instruction naming it: every flag's own check whatever
-    ``--sync`` is, then the ``--sync`` mode's checks across its settings; ``None`` if fine."""
+    ``--sync`` is, then the ``--sync`` mode's checks across its settings, then a compression
+    with error feedback given to a mode without sums across nodes to compress (refused, not
+    ignored as other modes' flags are); ``None`` if fine."""
     names = _names()
     try:
         for f in mode_flag_fields():
@@ -88,7 +91,21 @@ def mode_problem(cfg) -> Optional[str]:
         mode_settings(cfg).validate(names)
     except InputError as exc:
         return str(exc)
+    codec = codec_of(cfg.compression, cfg.powersgd_rank)
+    if codec is not None and codec.feedback and "compression" not in mode_flags(cfg.sync):
+        takers = [sync for sync in SYNC_MODES if "compression" in mode_flags(sync) and _takes(sync, cfg)]
+        return (f"--compression {cfg.compression} compresses the gradient sums across nodes, with error feedback; "
+                f"--sync {cfg.sync} has none: use --sync {' | '.join(takers)}")
     return None
+
+
+def _takes(sync: str, cfg) -> bool:
+    """Whether mode ``sync`` takes the flags of ``cfg`` (as if ``--sync sync`` were given)."""
+    try:
+        _settings_class(sync)(**{f.name: getattr(cfg, str(flag_of(f))) for f in _taken(sync)}).validate()
+    except InputError:
+        return False
+    return True
 
 
 def build_mode(cfg, optimizer, model, topology, stall=None) -> SyncMode:

@@ -163,9 +163,9 @@ def _check_compatible(state: dict, model: torch.nn.Module, cfg: TrainConfig, pat
 def resume_state(cfg: TrainConfig, checkpoint_dir: Path, model, comm) -> Optional[dict]:
     """Rank 0 loads the checkpoint to resume from; every rank gets its part (or ``None``).
 
-    Per-rank entries (``replicas``, ``rng``) are scattered, each rank getting
-    its own as ``state["replica"]`` / ``state["rng"]``; the rest is broadcast
-    once. From a run with another number of ranks, only the shared part is used.
+    Per-rank entries (``replicas``, ``rng``, ``rank_states``) are scattered, each rank getting
+    its own as ``state["replica"]`` / ``state["rng"]`` / ``state["rank_state"]``; the rest is
+    broadcast once. From a run with another number of ranks, only the shared part is used.
     """
     state = None
 
@@ -188,11 +188,12 @@ def resume_state(cfg: TrainConfig, checkpoint_dir: Path, model, comm) -> Optiona
     if same_world is None:
         return None
     mine = {}
-    for key in ("replicas", "rng"):
+    for key in ("replicas", "rng", "rank_states"):
         entries = state.pop(key, None) if state is not None else None
         mine[key] = comm.scatter(entries if same_world and entries else None, root=0)
     state = comm.bcast(state, root=0)
     state["replica"], state["rng"], state["same_world"] = mine["replicas"], mine["rng"], same_world
+    state["rank_state"] = mine["rank_states"]
     if not same_world and comm.Get_rank() == 0:
         logger.warning("the checkpoint is from %s ranks, this run has %d: resuming from the "
                        "averaged model at the start of epoch %d; RNG streams start afresh",
@@ -209,15 +210,21 @@ def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, best, comm
     With a mode whose replicas differ each rank's own replica and optimizer
     state are kept too, so that a resumed run continues exactly. ``scaler``:
     the state of ``--amp fp16``'s GradScaler (the same on every rank in
-    ``--sync sync``; per rank with the replicas in the other modes).
+    ``--sync sync``; per rank with the replicas in the other modes). What differs between
+    ranks in the mode's state although the replicas do not (a codec's error feedback:
+    ``opt.rank_state_dict()``) is gathered from every rank as ``rank_states``.
     """
     rng = comm.gather(torch.get_rng_state(), root=0)
-    state = {"model": opt.shared_state_dict(), "optimizer": opt.state_dict(),
+    rank_state = opt.rank_state_dict()  # None on every rank, or a dict on every rank
+    shared = {k: v for k, v in opt.state_dict().items() if k not in (rank_state or {})}
+    state = {"model": opt.shared_state_dict(), "optimizer": shared,
              "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
              "rng": rng, "step": step, "epoch": epoch, "best_test_acc": best,
              "config": asdict(cfg), "world_size": comm.Get_size()}
     if scaler is not None:
         state["scaler"] = scaler
+    if rank_state is not None:
+        state["rank_states"] = comm.gather(rank_state, root=0)
     if opt.replicas_differ:
         own = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         if scaler is not None:
@@ -238,7 +245,9 @@ def restore(state: dict, model, opt, scheduler, loader, comm, amp=None) -> Tuple
     """
     own = state.get("replica") or {}
     model.load_state_dict(own.get("model", state["model"]))
-    opt.load_state_dict(own.get("optimizer", state["optimizer"]))
+    # this rank's own part of the mode's state (saved by this rank); from another world it is
+    # missing and the mode starts that part afresh, saying so
+    opt.load_state_dict({**own.get("optimizer", state["optimizer"]), **(state.get("rank_state") or {})})
     scheduler.load_state_dict(state["scheduler"])
     if amp is not None:
         amp.load_state_dict(own.get("scaler", state.get("scaler")))

@@ -13,20 +13,33 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Optional
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from mpi4py import MPI
 
+from .._core.agree import check_all
 from .._core.checks import check_choice
 from .._core.closable import Closable
 from .._core.meter import Meter
+from ..compression import Codec, codec_of
+from ..errors import InputValueError
 from ..inter_node import make_inter_node
 from ..intra_node import Layout, SharedSlots
 
 __all__ = ["HierarchicalAverager", "LEVELS"]
 
 LEVELS = ("node", "global")
+Span = Tuple[int, int, int]  # (segment, lo, hi) of a slot
+
+
+def _check_codec(codec: Codec, layout: Layout, inter_node: str) -> None:
+    """What a codec needs: good settings, whole tensors on one rank, tensors it can compress."""
+    codec.check("compression")
+    if codec.whole_tensors and inter_node == "sharded":
+        raise InputValueError(f"compression={codec.name!r} compresses whole matrices, which inter_node='sharded' "
+                              "cuts into element-even slices; use inter_node='leader'")
+    codec.check_layout(layout)
 
 
 class HierarchicalAverager(Closable):
@@ -50,15 +63,18 @@ class HierarchicalAverager(Closable):
         >>> avg.close()
     """
 
-    def __init__(self, topology, layout: Layout, inter_node: str = "leader", compression=None,
-                 meter: Optional[Meter] = None):
+    def __init__(self, topology, layout: Layout, inter_node: str = "leader",
+                 compression: Union[None, str, Codec] = None, meter: Optional[Meter] = None):
         self.topology = topology
         self.layout = layout
         self.meter = Meter() if meter is None else meter
+        codec = codec_of(compression)
+        if codec is not None:
+            check_all(topology.comm, _check_codec, codec, layout, inter_node)
         with contextlib.ExitStack() as undo:  # if the constructor fails: free what it built
             self.slots = SharedSlots(topology.node_comm, layout, self.meter)
             undo.callback(self.slots.close)
-            self.inter = make_inter_node(inter_node, topology, compression, self.meter)
+            self.inter = make_inter_node(inter_node, topology, codec, self.meter, layout)
             undo.pop_all()
         self._opened()
 
@@ -134,6 +150,43 @@ class HierarchicalAverager(Closable):
         self.slots.fence()   # the global sum in slot 0 is complete on this node
         self.spread_of(None, scale)
         self.slots.fence()   # every slot holds the mean before anyone reuses it
+        self.settle()
+
+    def settle(self, spans: Optional[Sequence[Span]] = None) -> None:
+        """A round of sums across nodes is over (:meth:`average`, or the backward overlap's
+        buckets) and its averages are in this rank's slot (``spans``, default every segment):
+        the codec keeps the error feedback of the round if they are finite, else drops it (the
+        step is skipped). The averages are the same on every rank, so is the decision."""
+        own = self.slots.own
+        spans = spans or [(seg, 0, self.layout.numels[seg]) for seg in range(len(self.layout.dtypes))]
+        self.inter.settle(lambda: all(bool(torch.isfinite(own(seg)[lo:hi]).all()) for seg, lo, hi in spans))
+
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        """The codec's state on this rank (its error feedback; ``None`` for a codec without) and
+        where it belongs: the world's ranks and nodes, the strategy, this rank."""
+        codec = self.inter.codec
+        if codec is None or not codec.feedback:
+            return None
+        return {"where": self._where(), "codec": repr(codec), "state": self.inter.state_dict()}
+
+    def _where(self) -> list:
+        topo = self.topology
+        return [topo.size, list(topo.node_sizes), self.inter_node, topo.rank]
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> bool:
+        """Load :meth:`state_dict`'s output (collective). A state saved elsewhere (another number
+        of ranks or nodes, another strategy, codec or rank), or none, starts the error feedback
+        afresh on every rank; returns whether the state was loaded."""
+        codec = self.inter.codec
+        fits = (state is not None and codec is not None and state.get("where") == self._where()
+                and state.get("codec") == repr(codec))
+        fits = bool(self.topology.comm.allreduce(fits, op=MPI.LAND))
+        if codec is not None and codec.feedback:
+            self.inter.reset()
+            if fits:
+                assert state is not None
+                self.inter.load_state_dict(state["state"])
+        return fits
 
     # --- the phases on their own, on ``span`` = ``(segment, lo, hi)`` (a bucket) or ``None``
     # (every segment whole). No fences: the caller orders the ranks (average() above, or the
@@ -151,18 +204,15 @@ class HierarchicalAverager(Closable):
     def across_of(self, span) -> None:
         """Sum ``span`` of slot 0 over the nodes (the whole span by the leader, or this rank's
         slice of it: the level-2 strategy's part)."""
-        seg, lo, hi = span
-        mine_lo, mine_hi = self.slots.my_slice(seg, (lo, hi))
-        self.inter.allreduce_(self.slots.slot(0, seg)[lo:hi], mine_lo - lo, mine_hi - lo)
+        self.inter.allreduce_(self.slots.slot(0, span[0]), span, self.slots.my_slice(span[0], span[1:]))
 
     def start_across(self, span):
         """:meth:`across_of` without waiting: returns the level-2 strategy's
         :class:`~hsgd.inter_node.Pending`; its time from now to its completion is reported as
         the ``"inter"`` phase when it completes."""
-        seg, lo, hi = span
-        mine_lo, mine_hi = self.slots.my_slice(seg, (lo, hi))
         start = time.perf_counter()
-        pending = self.inter.start_allreduce_(self.slots.slot(0, seg)[lo:hi], mine_lo - lo, mine_hi - lo)
+        pending = self.inter.start_allreduce_(self.slots.slot(0, span[0]), span,
+                                              self.slots.my_slice(span[0], span[1:]))
         pending.then(lambda: self.meter.report("inter", start, time.perf_counter()))
         return pending
 

@@ -17,19 +17,20 @@ compression of its sums, settings of every hierarchical mode.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Union
 
 import torch
 
 from .._core.agree import collective_error
 from .._core.meter import Meter
-from .._core.settings import Boolean, Choice, setting
+from .._core.settings import Boolean, Choice, Integer, Names, setting
 from .._engine.binding import SlotBinding
 from .._engine.mode import SyncMode
 from .._engine.protocols import Engine
-from ..compression import COMPRESSIONS, Compression
-from ..errors import InputTypeError
+from ..compression import COMPRESSIONS, DEFAULT_POWERSGD_RANK, Codec, CodecChoice, Compression, codec_of
+from ..errors import InputTypeError, InputValueError
 from ..inter_node import STRATEGIES, InterNode
 from ..intra_node import Layout
 from ..topology import Topology
@@ -41,12 +42,15 @@ __all__ = ["HierarchicalEngine", "HierarchicalMode"]
 
 
 def _layout(params, bind: str) -> Layout:
-    """One segment entry per parameter, plus the used-flags when gradients are bound."""
+    """One segment entry per parameter, plus the used-flags when gradients are bound (summed
+    exactly whatever the compression: a flag must stay 0 where no rank used the parameter)."""
     specs = [(p.dtype, p.numel()) for p in params]
+    shapes = [p.shape for p in params]
     if bind == "grad":
         specs.append((torch.float32, len(params)))
+        shapes.append(torch.Size([len(params)]))
     try:
-        return Layout(specs)
+        return Layout(specs, shapes, exact=[len(params)] if bind == "grad" else [])
     except InputTypeError as exc:  # same dtypes on every rank, so the same error
         raise collective_error(InputTypeError, str(exc)) from None
 
@@ -70,7 +74,7 @@ class HierarchicalEngine(HierarchicalAverager, Engine):
     """
 
     def __init__(self, topology: Topology, params: List[torch.nn.Parameter], bind: str, inter_node: str,
-                 compression: Optional[str], zero_copy: bool = True, meter: Optional[Meter] = None) -> None:
+                 compression: Optional[Codec], zero_copy: bool = True, meter: Optional[Meter] = None) -> None:
         self.overlap: Optional[BackwardOverlap] = None
         self.outer: Optional[OuterLoop] = None
         self._args = (params, compression)
@@ -102,8 +106,8 @@ class HierarchicalEngine(HierarchicalAverager, Engine):
         self.binding.scatter()
 
     def describe(self) -> str:
-        compression = self.inter.compression
-        return f"inter_node={self.inter_node!r}" + ("" if compression == "none" else f", compression={compression!r}")
+        codec = self.inter.codec
+        return f"inter_node={self.inter_node!r}" + ("" if codec is None else f", compression={codec!r}")
 
     def _close(self) -> None:
         if self.outer is not None:
@@ -127,24 +131,70 @@ class HierarchicalMode(SyncMode):
 
         inter_node: InterNode = setting("leader", "leader | sharded inter-node allreduce (hsgd.inter_node)",
                                         Choice(STRATEGIES))
-        compression: Compression = setting(
-            "none", "none | fp16 | bf16: the inter-node sums cross nodes in 16 bits, halving inter-node bytes; "
-                    "nothing changes inside a node", Choice(COMPRESSIONS, also=(None,)))
+        compression: Union[Compression, Codec] = setting(
+            "none", "none | fp16 | bf16 | int8 | powersgd, or a hsgd.compression codec: how the node sums cross "
+                    "nodes (fp16/bf16: 16 bits, half the bytes; int8: 8 bits and a scale per 256 values, with "
+                    "error feedback; powersgd: low-rank factors of each matrix, with error feedback, "
+                    "inter_node leader only); nothing changes inside a node (docs/compression.md)",
+            CodecChoice(COMPRESSIONS, also=(None,)))
+        powersgd_rank: int = setting(DEFAULT_POWERSGD_RANK, "compression powersgd: the rank of its factors "
+                                                            "(a matrix n x m sends (n + m) * rank values)", Integer())
         zero_copy: bool = setting(
             True, "bind CPU gradients (or parameters) as views into this rank's slot of the shared window; "
                   "False stages them, copied into the slot before an average and out of it after, as tensors "
                   "on a GPU always are: the GPU path, run on the CPU (the same results, a copy each way)",
             Boolean(), flag=None)
 
+        def codec(self) -> Optional[Codec]:
+            """The codec ``compression`` names or is (``None``: exact sums)."""
+            return codec_of(self.compression, self.powersgd_rank)
+
+        def _check_together(self, names: Names) -> None:
+            if self.powersgd_rank != DEFAULT_POWERSGD_RANK and self.compression != "powersgd":
+                powersgd = names.given("compression", "powersgd")
+                raise InputValueError(f"{names('powersgd_rank')} sets the rank of {powersgd} (a PowerSGD codec "
+                                      f"object carries its own rank); drop it, or pass {powersgd}")
+            codec = self.codec()
+            if codec is not None and codec.whole_tensors and self.inter_node == "sharded":
+                raise InputValueError(f"{names.given('compression', self.compression)} compresses whole matrices, "
+                                      f"which {names.given('inter_node', 'sharded')} cuts into element-even "
+                                      f"slices; use {names.given('inter_node', 'leader')}")
+
     settings: Settings
     bind: ClassVar[str] = "grad"
     engine: HierarchicalEngine
 
     def _make_engine(self, params: List[torch.nn.Parameter]) -> HierarchicalEngine:
-        compression = self.settings.compression
-        return HierarchicalEngine(self.topology, params, self.bind, self.settings.inter_node,
-                                  None if compression == "none" else compression, self.settings.zero_copy,
-                                  self.meter)
+        return HierarchicalEngine(self.topology, params, self.bind, self.settings.inter_node, self.settings.codec(),
+                                  self.settings.zero_copy, self.meter)
+
+    # --- the codec's error feedback: this rank's own, saved and loaded with the optimizer's state
+    def state_dict(self) -> Dict[str, Any]:
+        """The inner optimizer's state and step count and, with a codec that keeps error feedback
+        (``int8``, ``powersgd``), ``"hsgd_codec"``: this rank's part of it (:meth:`rank_state_dict`)."""
+        state = super().state_dict()
+        state.update(self.rank_state_dict() or {})
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned. Collective with a codec that keeps error feedback:
+        a ``"hsgd_codec"`` saved by this rank of a job of the same ranks, nodes and settings is
+        loaded, else the error feedback starts afresh on every rank (with a warning)."""
+        state_dict = dict(state_dict)
+        codec = state_dict.pop("hsgd_codec", None)
+        super().load_state_dict(state_dict)
+        if self.rank_state_dict() is None:
+            return
+        if not self.engine.load_state_dict(codec) and self.topology.rank == 0:
+            warnings.warn("the compression's error feedback in this state was saved by another job (ranks, nodes, "
+                          "inter_node or compression) or is missing: it starts afresh", RuntimeWarning, stacklevel=2)
+
+    def rank_state_dict(self) -> Optional[Dict[str, Any]]:
+        """The part of :meth:`state_dict` that differs between ranks although the replicas do not:
+        ``{"hsgd_codec": ...}``, the error feedback that this rank keeps for its node; ``None``
+        without a codec that keeps one. Save it per rank (the trainer's checkpoint gathers it)."""
+        codec = self.engine.state_dict()
+        return None if codec is None else {"hsgd_codec": codec}
 
     @property
     def averager(self) -> HierarchicalAverager:

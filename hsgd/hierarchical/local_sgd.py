@@ -90,6 +90,13 @@ class HierarchicalLocalSGD(HierarchicalMode):
             return self.outer_optimizer is not None
 
         def _check_together(self, names: Names) -> None:
+            super()._check_together(names)
+            codec = self.codec()
+            if codec is not None and codec.feedback:
+                raise InputValueError(f"{names.given('compression', self.compression)} keeps error feedback, for "
+                                      f"sums of gradients; local SGD and DiLoCo average parameters: use "
+                                      f"{names.given('compression', 'fp16')} or bf16 with them, or this compression "
+                                      f"with synchronous SGD (HierarchicalSGD, --sync sync)")
             if not self.outer_step() and (self.fragments != 1 or self.fragment_sync_delay
                                           or self.fragment_update_alpha):
                 raise InputValueError(f"{names('fragments')}, {names('fragment_sync_delay')} and "

@@ -24,6 +24,7 @@ from .._core.agree import check_all, collective_error
 from .._core.closable import Closable
 from .._core.meter import Meter
 from .._engine.binding import slot_views
+from ..compression import Codec
 from ..errors import InputTypeError, InputValueError
 from .averager import HierarchicalAverager
 
@@ -78,7 +79,7 @@ class OuterLoop(Closable):
     the spread back. Compression applies to those level-2 sums of ``Δ``.
     """
 
-    def __init__(self, topology, layout, inter_node: str, compression: Optional[str],
+    def __init__(self, topology, layout, inter_node: str, compression: Optional[Codec],
                  params: List[torch.nn.Parameter], factory: OuterFactory, period: int, fragments: int = 1,
                  delay: int = 0, alpha: float = 0.0, meter: Optional[Meter] = None):
         if fragments > len(params):

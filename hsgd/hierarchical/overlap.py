@@ -335,6 +335,7 @@ class BackwardOverlap:
                 if not self._written[b]:  # a parameter this backward did not reach (an unused branch)
                     self._write(b)
             self.pipeline.finish()
+            self.pipeline.averager.settle()  # the codec's error feedback: kept if the averages are finite
             self.binding.scatter()
             self.state = "done"
 

@@ -30,4 +30,5 @@ SUBCOMMANDS = (
     "faults",
     "model",
     "train",
+    "race",
 )

@@ -18,6 +18,8 @@ from mpirun import ROOT, run_command
 
 from hsgd.bench import SUBCOMMANDS
 from lab.bench import SUBCOMMANDS as LAB_SUBCOMMANDS
+from lab.bench.__main__ import main as lab_main
+from lab.bench._race_worker import METHODS as RACE_METHODS
 
 # Where each subcommand runs: the package's own (allreduce, train), else the lab's.
 PACKAGE = {name: "hsgd.bench" if name in SUBCOMMANDS else "lab.bench" for name in LAB_SUBCOMMANDS}
@@ -70,6 +72,11 @@ SMOKE = {
               "| fastest sync |",
               lambda raw: [*raw["calibration"]["level1"], *raw["calibration"]["mpi"],
                            *(t for row in raw["validation"] for t in row["times"].values())], 2),
+    "race": (["--ranks", "2", "--ranks-per-node", "1", "--steps", "4", "--eval-every", "2", "--width", "64",
+              "--start-step", "2", "--samples", "2000", "--target", "0.05", "--cache-dir", "{cache}"],
+             "| method | steps to target | s to target | DDP's s / this | s per step | MB per step, busiest link "
+             "| bytes vs hsgd fp32 | link s per step | final test acc | vs hsgd fp32 (points) |",
+             lambda raw: [[r["evals"][-1][1] for r in raw if r["method"] == m] for m in RACE_METHODS], 1),
     "train": (["--ranks", "2", "--workloads", "cnn", "--steps", "1", "--repeats", "2", "--warmup", "0",
                "--cnn-batch", "8"],
               "| ranks | batch/rank | no comm | hsgd | hsgd overlap | hsgd leader 2n | hsgd sharded 2n "
@@ -110,7 +117,7 @@ def test_the_package_runs_what_a_user_measures_on_their_cluster():
 
 
 @pytest.mark.parametrize("name", list(SMOKE))
-def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, cache):
+def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, cache, capsys):
     options, header, repeated, repeats = SMOKE[name]
     out = tmp_path / "out.json"
     proc = bench(name, *(o.format(cache=cache) for o in options), "--json", str(out), "--progress", "lines")
@@ -128,6 +135,19 @@ def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, ca
         assert len({r["steps"] for r in rows.values()}) == 1, rows
         assert rows["local 4"]["inter_bytes"] < rows["sync"]["inter_bytes"] / 3, rows
         assert rows["streaming 4/2"]["peak_step_bytes"] < 0.6 * rows["diloco 4"]["peak_step_bytes"], rows
+    if name == "race":  # every method ran the same steps; hsgd int8 sent about a quarter of fp32's bytes
+        assert {r["method"] for r in record["raw"]} == set(RACE_METHODS) and all(len(r["evals"]) == 2
+                                                                              for r in record["raw"])
+        sent = {r["method"]: r["inter_bytes"] for r in record["raw"]}
+        assert 0.25 < sent["hsgd int8"] / sent["hsgd fp32"] < 0.35 and sent["hsgd powersgd"] < sent["hsgd fp32"], sent
+        # --join (in this process: no launch): two runs' rows in one table; runs of other settings refused
+        other = tmp_path / "other.json"
+        other.write_text(json.dumps({**record, "settings": {**record["settings"], "steps": 5}}))
+        assert lab_main(["race", "--join", str(out), str(out)]) == 0
+        assert "median of 2" in capsys.readouterr().out
+        with pytest.raises(SystemExit):
+            lab_main(["race", "--join", str(out), str(other)])
+        assert "the runs differ in steps" in capsys.readouterr().err
     if name == "faults":  # the row says what happened, and the job left nothing behind
         (row,) = record["raw"]
         assert row["exit"] != 0 and "a bug on rank 1" in row["said"] and row["left"] == [], row

@@ -114,9 +114,14 @@ def whole_runs(tmp_path_factory, cache):
     return run
 
 
-# Stopped mid-epoch (step 23) and resumed; the plain setting is stopped again on an epoch's last
+# synchronous SGD across two nodes of one rank, each keeping its node's error feedback
+SYNC_POWERSGD = ["--ranks-per-node", "1", "--compression", "powersgd", "--powersgd-rank", "2"]
+
+
+# Stopped mid-epoch (step 23) and resumed; synchronous SGD is stopped again on an epoch's last
 # step (STEPS_PER_EPOCH) by its first resume, and resumed from there: one chain of runs for both.
-@pytest.mark.parametrize("extra,stops", [([], (23, STEPS_PER_EPOCH)), (LOCAL_SGD, (23,)), (STREAMING_DILOCO, (23,))])
+@pytest.mark.parametrize("extra,stops", [(SYNC_POWERSGD, (23, STEPS_PER_EPOCH)), (LOCAL_SGD, (23,)),
+                                         (STREAMING_DILOCO, (23,))])
 def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, whole_runs, extra, stops):
     common = [*SMALL, "--optimizer", "sgd", "--lr", "0.05", *extra]
     whole = whole_runs(extra)
@@ -414,8 +419,9 @@ def test_uneven_data_and_an_empty_evaluation_shard_end_cleanly(tmp_path, cache, 
 
 
 def test_non_finite_gradients_skip_steps_then_stop_the_run(tmp_path, cache):
+    # across two nodes with int8: the skipped steps leave its error feedback as it was (NaN-free)
     proc = train(2, [*SMALL, "--optimizer", "sgd", "--lr", "1e20", "--nonfinite-limit", "3",
-                     "--run-dir", str(tmp_path / "run")], cache)
+                     "--ranks-per-node", "1", "--compression", "int8", "--run-dir", str(tmp_path / "run")], cache)
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert proc.returncode == 2 and len(errors) == 1 and "NaN or Inf in 3 steps in a row" in errors[0], \
         proc.stderr
