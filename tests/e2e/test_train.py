@@ -135,8 +135,8 @@ def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, whole_runs, ext
     assert all(math.isfinite(e["train_loss"]) and e["train_loss"] > 0 for e in epochs)  # no NaN or Inf
 
 
-def test_resume_on_another_number_of_ranks_restarts_the_interrupted_epoch(tmp_path, cache):
-    """2 ranks stop mid-epoch; 1 rank resumes from the saved (averaged) model at the start of that
+def test_resume_on_another_number_of_ranks_continues_the_interrupted_epoch(tmp_path, cache):
+    """2 ranks stop mid-epoch; 1 rank resumes from the saved model at the same global batch of that
     epoch, with the step count and LR schedule of that point, and ends where an unstopped run ends."""
     run = tmp_path / "run"
     common = [*SMALL, "--model", "mlp", "--run-dir", str(run)]
