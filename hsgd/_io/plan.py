@@ -300,15 +300,17 @@ def plan_epoch(num_samples: int, world_size: int, rank: int, batch_size: int,
     global_batch, first, share = sum(shares), sum(shares[:rank]), shares[rank]
     batches = epoch_batches(num_samples, global_batch, drop_last)
     per_window = window_batches(global_batch, block_size, window_blocks)
-    pieces, bounds = [], [0]
+    pieces: List[np.ndarray] = []
+    ends = [0]  # segment index at which each window ends
     for w0 in range(0, batches, per_window):
         m, base = min(per_window, batches - w0), w0 * global_batch
         if shuffle:  # this rank's lanes: one range of the stream
             ranges = [(base + first * m, share * m)]
         else:  # file order: this rank's slice of each global batch
             ranges = [(base + j * global_batch + first, share) for j in range(m)]
-        pieces += [_stream_segments(num_samples, block_size, order, offset, a, n) for a, n in ranges]
-        bounds.append(bounds[-1] + sum(len(piece) for piece in pieces[len(pieces) - len(ranges):]))
+        window = [_stream_segments(num_samples, block_size, order, offset, a, n) for a, n in ranges]
+        pieces += window
+        ends.append(ends[-1] + sum(len(piece) for piece in window))
     segments = np.concatenate(pieces) if pieces else np.empty((0, 2), dtype=np.int64)
-    return EpochPlan(segments, np.asarray(bounds, dtype=np.int64), int(share), bool(shuffle), key,
+    return EpochPlan(segments, np.asarray(ends, dtype=np.int64), int(share), bool(shuffle), key,
                      (first, global_batch) if shuffle else None)

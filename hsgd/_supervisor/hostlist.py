@@ -69,8 +69,8 @@ def slurm_hosts(env: Dict[str, str], ranks_per_host: Optional[int] = None) -> Li
     out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
     if out.returncode != 0 or not out.stdout.split():
         raise InputValueError(f"scontrol show hostnames {nodelist} failed: {out.stderr.strip()}")
-    per_node = env.get("SLURM_NTASKS_PER_NODE") or re.match(r"\d*", env.get("SLURM_TASKS_PER_NODE", "")).group(0)
-    ranks = ranks_per_host or int(per_node or 1)
+    first = re.match(r"\d+", env.get("SLURM_TASKS_PER_NODE", ""))  # "2(x3),1": 2
+    ranks = ranks_per_host or int(env.get("SLURM_NTASKS_PER_NODE") or (first.group(0) if first else 1))
     return [Host(name, ranks) for name in out.stdout.split()]
 
 
@@ -81,8 +81,9 @@ def check_resolvable(hosts: Sequence[Host], where: str) -> None:
         try:
             socket.getaddrinfo(host.name, None)
         except (socket.gaierror, UnicodeError) as exc:
-            raise InputValueError(f"unknown host {host.name!r} in {where} ({exc.strerror or exc}): fix the "
-                                  "name, or remove the line") from None
+            why = getattr(exc, "strerror", None) or exc
+            raise InputValueError(f"unknown host {host.name!r} in {where} ({why}): fix the name, or remove "
+                                  "the line") from None
 
 
 def probe(hosts: Sequence[Host], command, timeout: float, env: Dict[str, str]) -> List[Host]:

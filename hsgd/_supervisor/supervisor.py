@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import sys
 import time
 from typing import List, Optional
 
 from ..bench._launcher import mpi_flavour, mpiexec
-from ..errors import InputValueError
+from ..errors import InputError, InputValueError
 from .hostlist import Host, check_resolvable, probe, read_hosts_file, slurm_hosts
 from .jobs import launch_command, launcher_env, probe_command, run_job
 from .journal import JobRecords, Journal
@@ -83,9 +84,11 @@ class Supervisor:
             raise InputValueError("say where to run: --hosts-file FILE, or --slurm inside an allocation")
         srun = args.launcher == "srun" or (args.launcher == "auto" and self.slurm)
         self.mpiexec = args.mpiexec or ("srun" if srun else mpiexec())
+        if shutil.which(self.mpiexec) is None:
+            raise InputValueError(f"no launcher {self.mpiexec!r} here: pass --mpiexec PATH, or put it on PATH")
         self.launcher = "srun" if srun else args.launcher if args.launcher != "auto" else mpi_flavour(self.mpiexec)
         self.extra = shlex.split(args.launcher_args)
-        hosts = self.hosts()
+        self.listed = hosts = self.hosts()
         if args.min_nodes > len(hosts):
             where = f"in {args.hosts_file}" if args.hosts_file else "of the allocation"
             raise InputValueError(f"--min-nodes {args.min_nodes} is more than the {len(hosts)} hosts {where}: "
@@ -103,9 +106,13 @@ class Supervisor:
         return hosts
 
     def answering(self) -> List[Host]:
-        """The listed hosts that start a process within ``--probe-timeout``."""
-        hosts = self.hosts()
-        return probe(hosts, lambda h: probe_command(self.launcher, self.mpiexec, self.extra, h),
+        """The listed hosts that start a process within ``--probe-timeout`` (a hosts file
+        that went bad since: the hosts listed before, with a warning)."""
+        try:
+            self.listed = self.hosts()
+        except InputError as exc:
+            _say(f"warning: {exc}; probing the hosts listed before")
+        return probe(self.listed, lambda h: probe_command(self.launcher, self.mpiexec, self.extra, h),
                      self.args.probe_timeout, launcher_env(self.launcher, self.env))
 
     def launch(self, hosts: List[Host], first: bool, journal: Journal, on_records) -> tuple:
@@ -189,7 +196,8 @@ class _Pending:
     """A restart record waiting for the new job to catch up with the old one's last step."""
 
     def __init__(self, record: dict, journal: Journal):
-        self.record, self.journal, self.start = dict(record), journal, None
+        self.record, self.journal = dict(record), journal
+        self.start: Optional[dict] = None
         self.done = False
 
     def hear(self, new: List[dict]) -> None:
@@ -208,7 +216,7 @@ class _Pending:
         if self.done:
             return
         self.done = True
-        r, start = self.record, self.start or {}
+        r, start = self.record, self.start or {}  # no start record: the job ended before one
         if step is not None and r["last_wall"] is not None:
             r["seconds_lost"] = round(step["wall"] - r["last_wall"] - (step["step"] - r["last_step"]) * r["pace"], 3)
             r["redo_s"] = round(step["wall"] - start["wall"], 3) if "wall" in start else None

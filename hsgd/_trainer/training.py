@@ -21,7 +21,6 @@ from mpi4py import MPI
 
 from .._core.agree import check_all, on_root
 from .._engine.optimizer import mean_of_states
-from .._io.plan import even_shares
 from ..data import ensure_mnist1d, ensure_stdlib_tokens
 from ..errors import InputValueError
 from ..lars import LARS
@@ -202,24 +201,13 @@ def resume_state(cfg: TrainConfig, checkpoint_dir: Path, model, opt, comm) -> Op
     rng = comm.scatter(rng if same_world and rng else None, root=0)
     state = comm.bcast(state, root=0)
     state["replica"], state["rng"], state["same_world"] = replica, rng, same_world
-    if not same_world and comm.Get_rank() == 0:
-        saved = state["loader"]
-        logger.info("the checkpoint is from %s ranks, this run has %d: epoch %d goes on from its global batch %d "
-                    "(sample %d) with batch shares %s; %sRNG streams derived from --seed and the step",
-                    state.get("world_size"), comm.Get_size(), saved["epoch"], saved["position"],
-                    saved.get("samples", 0), _shares(saved, comm.Get_size()),
-                    "every replica starts from the saved average, the optimizer states averaged; "
-                    if replicas else "")
+    state["merged"] = bool(replicas) and not same_world  # for restore()'s account of it
     return state
 
 
 def _merged_scaler(replicas):
     """The old ranks' GradScaler states, merged (their scale averaged)."""
     return mean_of_states([r["scaler"] for r in replicas])
-
-
-def _shares(saved: dict, world_size: int):
-    return even_shares(max(int(saved.get("global_batch") or 0), world_size), world_size)
 
 
 def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, best, comm, scaler=None) -> dict:
@@ -279,6 +267,13 @@ def restore(state: dict, model, opt, scheduler, loader, comm, amp=None, seed: in
         amp.load_state_dict(own.get("scaler", state.get("scaler")))
     step = int(state["step"])
     check_all(comm, loader.load_state_dict, state["loader"])
+    if not state["same_world"] and comm.Get_rank() == 0:
+        logger.info("the checkpoint is from %s ranks, this run has %d: epoch %d goes on from its global batch %d "
+                    "(sample %d) with batch shares %s; %sRNG streams derived from --seed and the step",
+                    state.get("world_size"), comm.Get_size(), loader.epoch, loader.position,
+                    loader.position * loader.global_batch, loader.batch_shares,
+                    "every replica starts from the saved average, the optimizer states averaged; "
+                    if state.get("merged") else "")
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])
     else:

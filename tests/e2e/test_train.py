@@ -346,7 +346,8 @@ def bad_inputs(tmp_path):
         ("labels", ["--data", floats, "--x-key", "x", "--y-key", "y"], "label"),
         ("batch", ["--data", tiny, "--x-key", "x", "--y-key", "y", "--batch-size", "64"], "larger than the 8"),
         ("unwritable", ["--checkpoint-dir", str(blocker / "sub")], "--checkpoint-dir"),
-        ("odd batch", ["--batch-size", "63"], "multiple of the 2 ranks"),
+        ("odd batch, gossip", ["--batch-size", "63", "--sync", "gossip"],
+         "--sync gossip cannot weight unequal batches"),  # --sync sync weights 32 + 31
         ("straggler rank", ["--straggler", "2:3"], "no rank 2 in a job of 2 ranks"),
         ("overlap fp16", ["--overlap", "--amp", "fp16"], "--overlap averages the gradients during backward"),
     ] + ([] if torch.cuda.is_available() else

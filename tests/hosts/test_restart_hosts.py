@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from mpirun import ROOT, kill_job, mpi_env, remove_leftovers, run_command, snapshot
 
-SAMPLES, BATCH, EPOCHS = 960, 48, 4
+SAMPLES, BATCH, EPOCHS = 1000, 50, 4  # 50: unequal shares at 6 ranks (9, 9, 8, 8, 8, 8) and at 4 (13, 13, 12, 12)
 STEPS = SAMPLES // BATCH  # 20 per epoch
 TRAIN = ["--data", None, "--model", "recording_model:build", "--epochs", str(EPOCHS), "--batch-size", str(BATCH),
          "--optimizer", "sgd", "--lr", "0.05", "--save-every", "3", "--keep-checkpoints", "100",

@@ -9,6 +9,7 @@ import pytest
 
 from hsgd import run
 from hsgd._supervisor.hostlist import Host
+from hsgd._supervisor.jobs import launch_command, probe_command
 from hsgd._supervisor.journal import JobRecords
 from hsgd._supervisor.supervisor import Supervisor
 
@@ -116,3 +117,13 @@ def test_max_restarts_ends_the_loop_with_the_jobs_status(tmp_path, monkeypatch):
     code, started, records = supervise(tmp_path, monkeypatch, [(9, []), (9, [])], [[A, B, C], [A, B], [A]],
                                        ["--max-restarts", "1"])
     assert code == 9 and len(started) == 2 and len(records) == 1
+
+
+def test_each_launcher_gets_the_hosts_its_way():
+    hosts, program = [Host("a", 2), Host("b", 2)], ["python", "-m", "hsgd.train"]
+    assert launch_command("mpich", "mpiexec", ["-iface", "ib0"], hosts, program) == \
+        ["mpiexec", "-iface", "ib0", "-hosts", "a:2,b:2", "-n", "4", *program]
+    assert launch_command("openmpi", "mpirun", [], hosts, program) == ["mpirun", "--host", "a:2,b:2", "-n", "4", *program]
+    assert launch_command("srun", "srun", ["--mpi=pmi2"], hosts, program) == \
+        ["srun", "--mpi=pmi2", "--nodelist", "a,b", "--nodes", "2", "--ntasks-per-node", "2", "--ntasks", "4", *program]
+    assert probe_command("mpich", "mpiexec", [], Host("b", 2)) == ["mpiexec", "-hosts", "b:1", "-n", "1", "true"]
