@@ -123,7 +123,8 @@ def test_each_launcher_gets_the_hosts_its_way():
     hosts, program = [Host("a", 2), Host("b", 2)], ["python", "-m", "hsgd.train"]
     assert launch_command("mpich", "mpiexec", ["-iface", "ib0"], hosts, program) == \
         ["mpiexec", "-iface", "ib0", "-hosts", "a:2,b:2", "-n", "4", *program]
-    assert launch_command("openmpi", "mpirun", [], hosts, program) == ["mpirun", "--host", "a:2,b:2", "-n", "4", *program]
+    assert launch_command("openmpi", "mpirun", [], hosts, program) == \
+        ["mpirun", "--host", "a:2,b:2", "-n", "4", *program]
     assert launch_command("srun", "srun", ["--mpi=pmi2"], hosts, program) == \
         ["srun", "--mpi=pmi2", "--nodelist", "a,b", "--nodes", "2", "--ntasks-per-node", "2", "--ntasks", "4", *program]
     assert probe_command("mpich", "mpiexec", [], Host("b", 2)) == ["mpiexec", "-hosts", "b:1", "-n", "1", "true"]
