@@ -112,10 +112,11 @@ def _split(lines: _Lines, records: List[dict], killed: float) -> dict:
     launched = lines.first("starting", restarted)
     start = [r for r in records if r["event"] == "start"][-1]
     back = next(r for r in records if r["event"] == "step" and r["wall"] > start["wall"] and r["step"] >= at_kill)
-    saved = next(r for r in records if r["event"] == "checkpoint" and r["step"] == start["resumed"]
-                 and r["wall"] < killed)
+    first = next(r for r in records if r["event"] == "start")  # no checkpoint yet: all of it is redone
+    saved = next((r for r in records if r["event"] == "checkpoint" and r["step"] == start["resumed"]
+                  and r["wall"] < killed), first)
     ready = start["wall"] - start["load_s"]
-    return {"at_step": at_kill, "from_step": start["resumed"], "detect": detected - killed,
+    return {"at_step": at_kill, "from_step": start["resumed"] or 0, "detect": detected - killed,
             "end": ended - detected, "probe": restarted - ended, "startup": ready - launched,
             "load": start["load_s"], "redo": back["wall"] - start["wall"], "lost": back["wall"] - killed,
             "since_save": killed - saved["wall"], "world": start["world_size"],
