@@ -198,8 +198,8 @@ class ContiguousH5Loader:
 
     @property
     def batch_shares(self) -> List[int]:
-        """Every rank's batch size in this epoch: :attr:`shares`, or the global batch split as
-        evenly as it goes (``batch_size`` each when ``world_size`` divides it)."""
+        """The batch size of every rank in this epoch (the :attr:`shares` if set, else the global
+        batch split as evenly as it goes, ``batch_size`` each when ``world_size`` divides it)."""
         return self.shares or even_shares(self.global_batch, self.world_size)
 
     @property
@@ -211,7 +211,7 @@ class ContiguousH5Loader:
         """From the next epoch on, rank ``r`` takes ``shares[r]`` samples per batch (load balancing).
 
         Call it on every rank with the same list, between epochs (position
-        0). The global batch must stay :attr:`global_batch`, so every
+        0). The global batch must stay ``global_batch``, so every
         rank keeps the same number of batches; ``None`` goes back to the even
         split. Part of :meth:`state_dict`. Local: no communication.
         """
