@@ -118,7 +118,7 @@ class LoadBalancer:
                                   "load balancing needs HierarchicalSGD or HierarchicalLocalSGD")
         self.loader, self.optimizer = loader, optimizer
         self.comm = loader.comm if comm is None else comm
-        self.total = loader.batch_size * loader.world_size
+        self.total = loader.global_batch
         self.fixed: Optional[List[float]] = None  # every rank's model, after calibrate()
         self.per_sample: Optional[List[float]] = None
         self.apply_shares()
@@ -126,11 +126,13 @@ class LoadBalancer:
     @property
     def shares(self) -> List[int]:
         """The batch sizes of the loader's next epoch, one per rank."""
-        return self.loader.shares or [self.loader.batch_size] * self.loader.world_size
+        return self.loader.batch_shares
 
     def apply_shares(self) -> None:
-        """Give the optimizer the loader's shares (also after a resume), to weight its averages."""
-        self.optimizer.batch_shares = self.loader.shares
+        """Give the optimizer the loader's shares (also after a resume, and the even split of a
+        global batch that the rank count does not divide), to weight its averages."""
+        shares = self.loader.batch_shares
+        self.optimizer.batch_shares = shares if len(set(shares)) > 1 else None
 
     def calibrate(self, work: Callable[[int], object], repeats: int = CALIBRATION_REPEATS) -> List[int]:
         """Time ``work(b)`` (one step's computation on ``b`` samples, no communication) on

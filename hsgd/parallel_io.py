@@ -8,8 +8,9 @@ The in-memory shuffle spans a window, not the data set, so the file itself shoul
 be in random order: ``python -m hsgd.data convert`` writes it so.
 
 Invariants: every rank yields exactly ``len(loader)`` batches (except the evaluation
-mode, ``drop_last=False, pad=False``); the block order is the same on every rank for a
-given ``(seed, epoch)``; batches are views that stay valid as long as they are kept;
+mode, ``drop_last=False, pad=False``); which samples form each global batch depends on
+``(seed, epoch)`` and the global batch, not on the rank count, so a saved position
+continues at any rank count; batches are views that stay valid as long as they are kept;
 the loader is stateful (:attr:`~ContiguousH5Loader.position`, ``state_dict``).
 """
 
@@ -23,7 +24,7 @@ import numpy as np
 from ._core.agree import agree, attempt, check_all
 from ._core.checks import check_int, check_shares
 from ._io.loader_setup import check_settings_agree, loader_block_size, open_checked, scan_labels
-from ._io.plan import EpochPlan, default_block_size, plan_epoch, rank_range, shard_range
+from ._io.plan import EpochPlan, default_block_size, epoch_batches, even_shares, plan_epoch, shard_range
 from ._io.prefetch import Prefetcher, iter_windows
 from .errors import InputValueError
 
@@ -41,8 +42,8 @@ __all__ = ["ContiguousH5Loader", "EpochPlan", "plan_epoch", "shard_range",
 
 logger = logging.getLogger(__name__)
 
-_ORDER_KEYS = ("num_samples", "world_size", "batch_size", "block_size", "seed",
-               "shuffle", "drop_last", "pad", "window_blocks")
+# What fixes the order of the global batches; the rank count and the per-rank batch do not.
+_ORDER_KEYS = ("num_samples", "global_batch", "block_size", "seed", "shuffle", "drop_last", "pad", "window_blocks")
 
 
 def _resolve_comm(comm, topology):
@@ -60,16 +61,17 @@ class ContiguousH5Loader:
     """Batches of ``(x, y)`` read from HDF5 in large contiguous blocks.
 
     The data set is cut into blocks of ``block_size`` consecutive samples. Each epoch the
-    blocks are permuted the same way on every rank (seeded by ``seed`` and the epoch) and
-    the permuted stream is cut into equal contiguous per-rank ranges (:mod:`hsgd._io.plan`,
+    blocks are permuted the same way on every rank (seeded by ``seed`` and the epoch), and
+    the permuted stream is cut into global batches, whose samples do not depend on the rank
+    count; each rank takes its share of every global batch, a slice of one contiguous
+    stream range per window of ``window_blocks`` blocks (:mod:`hsgd._io.plan`,
     ``plan_epoch``). A rank reads each of its blocks with one contiguous read into a
     preallocated buffer (``os.preadv`` at the data's file offset when the data set is
     uncompressed, h5py's ``read_direct`` otherwise), in a background thread ``prefetch``
-    windows ahead, and shuffles the samples of ``window_blocks`` blocks at a time. The
-    file is opened read-only by every rank with the ordinary h5py; chunked, contiguous and
-    compressed data sets all work.
+    windows ahead, and shuffles in memory. The file is opened read-only by every rank with
+    the ordinary h5py; chunked, contiguous and compressed data sets all work.
 
-    Remainder: ``drop_last=True`` drops ``N mod (world_size * n)`` samples (a different
+    Remainder: ``drop_last=True`` drops ``N mod global_batch`` samples (a different
     set every epoch); ``drop_last=False`` pads by wrapping around to the stream's start.
     ``drop_last=False, pad=False`` is the evaluation mode: every sample exactly once,
     contiguous shards, and batch counts that may differ by one between ranks, so reduce
@@ -84,7 +86,8 @@ class ContiguousH5Loader:
 
     Like a checkpointable sampler, iteration continues from :attr:`position` (the batches
     of the current epoch handed out so far), a finished epoch moves on to the next by
-    itself, and :meth:`state_dict` / :meth:`load_state_dict` save and restore that place.
+    itself, and :meth:`state_dict` / :meth:`load_state_dict` save and restore that place,
+    also into a loader over another number of ranks (with the same global batch).
 
     Example::
 
@@ -105,7 +108,10 @@ class ContiguousH5Loader:
     Args:
         path, x_key, y_key: the file and the sample and label data sets (paths
             inside the file such as ``"train/x"`` work).
-        batch_size: samples per batch on each rank.
+        batch_size: samples per batch on each rank (the global batch is ``world_size`` times it).
+        global_batch: instead of ``batch_size``: samples per batch on all ranks together, split
+            as evenly as it goes (the first ``global_batch mod world_size`` ranks take one
+            more; :attr:`batch_shares`); ``batch_size`` is then the smallest share.
         comm, topology: the ranks that share the epoch (default
             ``MPI.COMM_WORLD``; a single process is a world of one). The
             constructor is collective over them; nothing else is.
@@ -113,9 +119,9 @@ class ContiguousH5Loader:
             for a given ``(seed, epoch)``; ``shuffle=False`` keeps file order.
         block_size: samples per contiguous read (default: about 4 MiB,
             aligned to the chunk rows).
-        window_blocks: blocks shuffled together in memory (default: the
+        window_blocks: blocks of the stream shuffled together (default: the
             fewest holding 1024 samples, at most 16 MiB; see
-            :func:`~hsgd._io.plan.default_window_blocks`).
+            :func:`~hsgd._io.plan.default_window_blocks`); a rank holds its share of them.
         drop_last, pad: the remainder rule (above).
         prefetch: windows read ahead in a background thread (0: no thread).
         return_indices: also yield the int64 global sample indices per batch.
@@ -127,7 +133,8 @@ class ContiguousH5Loader:
     """
 
     def __init__(self, path: Union[str, os.PathLike[str]], x_key: str = "x", y_key: str = "y", *,
-                 batch_size: int, comm: Optional[MPI.Comm] = None, topology: Optional[Topology] = None,
+                 batch_size: Optional[int] = None, global_batch: Optional[int] = None,
+                 comm: Optional[MPI.Comm] = None, topology: Optional[Topology] = None,
                  shuffle: bool = True, seed: int = 0, block_size: Optional[int] = None,
                  window_blocks: Optional[int] = None, drop_last: bool = True, pad: bool = True,
                  prefetch: int = 2, return_indices: bool = False, check_labels: bool = True,
@@ -135,17 +142,19 @@ class ContiguousH5Loader:
         self.comm = _resolve_comm(comm, topology)
         self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
         self.path, self.x_key, self.y_key = path, x_key, y_key
-        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        self.shuffle, self.seed = shuffle, seed
         self.drop_last, self.pad = drop_last, pad
         self.prefetch, self.return_indices = prefetch, return_indices
         self.direct_reads = direct_reads
         # a bad file or argument: raised on every rank by agree, after this rank closed its file
-        opened, error = attempt(open_checked, self, block_size, window_blocks)
+        opened, error = attempt(open_checked, self, batch_size, global_batch, block_size, window_blocks)
         self._source: Optional[H5Source] = None
+        self.batch_size: int
+        self.global_batch: int
         self.block_size: int
         self.window_blocks: int
         if opened is not None:  # else agree() raises: the object is never used
-            self._source, self.block_size, self.window_blocks = opened
+            self._source, (self.batch_size, self.global_batch), self.block_size, self.window_blocks = opened
         try:
             agree(self.comm, error)
             assert self._source is not None  # opened, since no rank had an error
@@ -177,34 +186,40 @@ class ContiguousH5Loader:
 
     def _settings(self) -> Dict[str, Any]:
         return {"num_samples": self.num_samples, "world_size": self.world_size,
-                "batch_size": self.batch_size, "block_size": self.block_size,
+                "batch_size": self.batch_size, "global_batch": self.global_batch, "block_size": self.block_size,
                 "seed": self.seed, "shuffle": bool(self.shuffle),
                 "drop_last": bool(self.drop_last), "pad": bool(self.pad),
                 "window_blocks": self.window_blocks}
 
     @property
     def shares(self) -> Optional[List[int]]:
-        """Per-rank batch sizes set by :meth:`set_shares`, or ``None``: ``batch_size`` on every rank."""
+        """Per-rank batch sizes set by :meth:`set_shares`, or ``None``: the even split."""
         return None if self._shares is None else list(self._shares)
 
     @property
+    def batch_shares(self) -> List[int]:
+        """The batch size of every rank in this epoch (the :attr:`shares` if set, else the global
+        batch split as evenly as it goes, ``batch_size`` each when ``world_size`` divides it)."""
+        return self.shares or even_shares(self.global_batch, self.world_size)
+
+    @property
     def rank_batch_size(self) -> int:
-        """This rank's batch size (its share, or ``batch_size``)."""
-        return self.batch_size if self._shares is None else self._shares[self.rank]
+        """This rank's batch size (its share)."""
+        return self.batch_shares[self.rank]
 
     def set_shares(self, shares: Optional[Sequence[int]]) -> None:
         """From the next epoch on, rank ``r`` takes ``shares[r]`` samples per batch (load balancing).
 
         Call it on every rank with the same list, between epochs (position
-        0). The global batch must stay ``world_size * batch_size``, so every
-        rank keeps the same number of batches; ``None`` goes back to equal
-        batches. Part of :meth:`state_dict`. Local: no communication.
+        0). The global batch must stay ``global_batch``, so every
+        rank keeps the same number of batches; ``None`` goes back to the even
+        split. Part of :meth:`state_dict`. Local: no communication.
         """
         if shares is not None:
             check_shares(shares, self.world_size)
-            if sum(shares) != self.world_size * self.batch_size:
+            if sum(shares) != self.global_batch:
                 raise InputValueError(f"batch shares {list(shares)} sum to {sum(shares)}; they must keep the "
-                                      f"global batch of {self.world_size * self.batch_size}")
+                                      f"global batch of {self.global_batch}")
             if not self.pad:
                 raise InputValueError("batch shares need pad=True (equal batch counts on every rank)")
         if self._position != 0:
@@ -217,13 +232,14 @@ class ContiguousH5Loader:
         return plan_epoch(self.num_samples, self.world_size, self.rank, self.batch_size,
                           self.block_size, self.seed, self._epoch if epoch is None else epoch,
                           self.drop_last, shuffle=self.shuffle, pad=self.pad,
-                          window_blocks=self.window_blocks, shares=self._shares)
+                          window_blocks=self.window_blocks, shares=self.batch_shares if self.pad else None)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank; the same on every rank unless ``pad=False``."""
-        _, count = rank_range(self.num_samples, self.world_size, self.rank,
-                              self.batch_size, self.drop_last, self.pad, self._shares)
-        return -(-count // self.rank_batch_size)
+        if self.pad:
+            return epoch_batches(self.num_samples, self.global_batch, self.drop_last)
+        start, stop = shard_range(self.num_samples, self.world_size, self.rank)
+        return -(-(stop - start) // self.batch_size)
 
     def set_epoch(self, epoch: int, position: Optional[int] = None) -> None:
         """Select the epoch to iterate next, from batch ``position``.
@@ -244,12 +260,20 @@ class ContiguousH5Loader:
             self._epoch, self._position = int(epoch), int(position)
 
     def state_dict(self) -> Dict[str, Any]:
-        """Epoch, batches handed out, batch shares, and the settings that fix the order."""
-        return {"epoch": self._epoch, "position": self._position, "shares": self.shares,
-                **self._settings()}
+        """Epoch, global batches handed out (``position``; ``samples``: as global samples),
+        batch shares, and the settings that fix the order."""
+        return {"epoch": self._epoch, "position": self._position, "samples": self._position * self.global_batch,
+                "shares": self.shares, **self._settings()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue where ``state`` left off: the remaining batches of its epoch, in order."""
+        """Continue where ``state`` left off: the remaining global batches of its epoch, in
+        order, at this loader's rank count (saved shares apply only at the saved one)."""
+        state = dict(state)
+        if "global_batch" not in state:  # saved by an hsgd whose ranks each read one range of the stream
+            if state.get("position"):
+                raise InputValueError("this loader state was saved mid-epoch by an older hsgd, whose sample "
+                                      "order differs; resume from a state saved at an epoch's end")
+            state["global_batch"] = state.get("batch_size", 0) * state.get("world_size", 0)
         differ = [f"{key}={state.get(key)!r} (this loader: {value!r})"
                   for key, value in self._settings().items()
                   if key in _ORDER_KEYS and state.get(key) != value]
@@ -258,7 +282,7 @@ class ContiguousH5Loader:
                                   + ", ".join(differ) + "; build the loader with the saved settings")
         self._stop_active()
         self._position = 0
-        self.set_shares(state.get("shares"))
+        self.set_shares(state.get("shares") if state.get("world_size") == self.world_size else None)
         self.set_epoch(state["epoch"], state["position"])
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, ...]]:
@@ -304,4 +328,5 @@ class ContiguousH5Loader:
     def __repr__(self) -> str:
         state = "closed" if self._source is None else f"{len(self)} batches/epoch"
         return (f"ContiguousH5Loader('{self.path}', x='{self.x_key}', y='{self.y_key}', "
-                f"batch_size={self.batch_size}, rank={self.rank}/{self.world_size}, {state})")
+                f"batch_size={self.rank_batch_size} of {self.global_batch}, rank={self.rank}/{self.world_size}, "
+                f"{state})")

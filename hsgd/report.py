@@ -26,7 +26,7 @@ from typing import Optional
 from ._trainer.plots import as_number, comm_share, draw_accuracy, draw_loss, draw_time, new_figure, title
 from .errors import InputFileNotFoundError, InputValueError
 
-__all__ = ["Run", "load_run", "plot_run", "summary_table", "main"]
+__all__ = ["Run", "load_run", "plot_run", "summary_table", "restart_line", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +40,15 @@ class Run:
     """A run read back by :func:`load_run`.
 
     ``steps`` and ``epochs`` are the raw ``"step"`` and ``"epoch"`` records,
-    one per step / epoch number (the last one logged), sorted by that number.
+    one per step / epoch number (the last one logged), sorted by that number;
+    ``restarts``: the ``"restart"`` records of ``python -m hsgd.run``, in order.
     """
 
     config: dict
     steps: list = field(default_factory=list)
     epochs: list = field(default_factory=list)
     run_dir: Optional[Path] = None
+    restarts: list = field(default_factory=list)
 
 
 def load_run(run_dir) -> Run:
@@ -64,7 +66,8 @@ def load_run(run_dir) -> Run:
     appends to the same file, so the last record for a step or an epoch wins; lines that
     are not JSON (cut off by a killed run) are skipped with a warning. An epoch's
     communication share is ``(intra + inter) / (data + compute + intra + inter)`` of its
-    ``time``.
+    ``time``. ``"restart"`` records (``python -m hsgd.run``: ``restart``, ``from_step``,
+    ``lost_hosts``, ``lost_ranks``, ``hosts``, ``world_size``, ``seconds_lost``) are kept in order.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -77,7 +80,8 @@ def load_run(run_dir) -> Run:
     if not steps and not epochs:
         raise InputValueError(f"{metrics} has no step or epoch records: is the run "
                               "still starting, or was it killed before its first log?")
-    return Run(_read_config(run_dir / CONFIG_FILE), steps, epochs, run_dir)
+    restarts = [r for r in records if r.get("event") == "restart"]
+    return Run(_read_config(run_dir / CONFIG_FILE), steps, epochs, run_dir, restarts)
 
 
 def _read_jsonl(path: Path) -> list:
@@ -148,7 +152,19 @@ def summary_table(run: Run) -> str:
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
              "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"]
     lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |" for row in rows]
-    return "\n".join(lines + ["", _final_line(run)])
+    return "\n".join(lines + ["", _final_line(run), *map(restart_line, run.restarts)])
+
+
+def restart_line(record: dict) -> str:
+    """One line for a ``restart`` record: ``restart 1 at step 130: lost h3 (ranks 4, 5); 4 ranks on
+    h1, h2; 11.2 s lost``."""
+    lost = ", ".join(record.get("lost_hosts") or []) or "no host"
+    ranks = record.get("lost_ranks") or []
+    lost += f" (ranks {', '.join(map(str, ranks))})" if ranks else ""
+    seconds = as_number(record.get("seconds_lost"))
+    return (f"restart {record.get('restart', '?')} at step {record.get('from_step', '?')}: lost {lost}; "
+            f"{record.get('world_size', '?')} ranks on {', '.join(record.get('hosts') or [])}; "
+            f"{'-' if seconds is None else format(seconds, '.1f')} s lost")
 
 
 def _final_line(run: Run) -> str:

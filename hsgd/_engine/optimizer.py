@@ -11,14 +11,14 @@ which carries the step count as ``"hsgd_steps"``.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import torch
 
 from ..errors import InputValueError
 from .torch_compat import init_optimizer_hooks, load_state_dict_with_hooks, state_dict_with_hooks
 
-__all__ = ["InnerOptimizer"]
+__all__ = ["InnerOptimizer", "mean_of_states"]
 
 
 class InnerOptimizer(torch.optim.Optimizer):
@@ -75,3 +75,26 @@ class InnerOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         self.num_steps = int(state_dict.pop("hsgd_steps", 0))
         self.optimizer.load_state_dict(state_dict)
+
+    def merge_state_dicts(self, states: Sequence[Dict[str, Any]], world_size: int) -> Dict[str, Any]:
+        """The state each rank of a ``world_size``-rank run loads, made from every rank's
+        :meth:`state_dict` of a run at another rank count (a resume on more or fewer ranks):
+        floating-point tensors and numbers averaged over the old ranks, everything else rank
+        0's. A mode whose state is not a mean overrides this."""
+        return mean_of_states(list(states))
+
+
+def mean_of_states(values: List[Any]) -> Any:
+    """The element-wise mean of structurally equal nested dicts, lists and tuples: floating-point
+    tensors (in float64, then their own dtype) and floats averaged; the rest the first's."""
+    first = values[0]
+    if isinstance(first, dict):
+        return {key: mean_of_states([v[key] for v in values]) for key in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(mean_of_states(list(column)) for column in zip(*values))
+    if isinstance(first, torch.Tensor) and first.is_floating_point():
+        total = sum(v.detach().to(torch.float64) for v in values)
+        return (total / len(values)).to(first.dtype)
+    if isinstance(first, float):
+        return sum(values) / len(values)
+    return first

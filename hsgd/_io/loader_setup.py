@@ -21,10 +21,10 @@ from .._core.checks import check_int
 from ..errors import InputValueError
 from .data_checks import check_file, check_labels_nonnegative, check_lengths, check_x_dtype, check_y, missing_key_error
 from .h5source import H5Source
-from .plan import default_block_size, default_window_blocks, rank_range
+from .plan import check_plan, default_block_size, default_window_blocks, even_shares
 
 __all__ = ["open_checked", "check_settings_agree", "scan_labels", "list_datasets",
-           "loader_block_size"]
+           "loader_block_size", "batch_sizes"]
 
 _SCAN_ROWS = 1 << 20
 
@@ -55,8 +55,23 @@ def _check_int(name, value, minimum, optional=False) -> None:
         check_int(name, value, minimum)
 
 
+def batch_sizes(batch_size, global_batch, world_size: int):
+    """``(batch_size, global_batch)`` from either: ``batch_size`` per rank (the global batch
+    ``world_size`` times it), or ``global_batch`` (each rank's ``batch_size``: its smallest share)."""
+    if (batch_size is None) == (global_batch is None):
+        raise InputValueError("pass batch_size (samples per batch on each rank) or global_batch (on all "
+                              f"ranks together), not {'both' if batch_size is not None else 'neither'}")
+    if global_batch is None:
+        _check_int("batch_size", batch_size, 1)
+        return int(batch_size), int(batch_size) * world_size
+    _check_int("global_batch", global_batch, 1)
+    if global_batch < world_size:
+        raise InputValueError(f"a global batch of {global_batch} cannot give each of {world_size} ranks a "
+                              f"sample; use global_batch >= {world_size} or fewer ranks")
+    return int(global_batch) // world_size, int(global_batch)
+
+
 def _check_args(loader, block_size, window_blocks) -> None:
-    _check_int("batch_size", loader.batch_size, 1)
     _check_int("seed", loader.seed, 0)
     _check_int("block_size", block_size, 1, optional=True)
     _check_int("window_blocks", window_blocks, 1, optional=True)
@@ -82,11 +97,12 @@ def _check_datasets(file, path, x_key, y_key) -> None:
     check_lengths(len(x), len(y), x_key, y_key)
 
 
-def open_checked(loader, block_size, window_blocks):
+def open_checked(loader, batch_size, global_batch, block_size, window_blocks):
     """Validate the loader's arguments and file.
 
-    Returns ``(H5Source, block_size, window_blocks)``, defaults resolved.
+    Returns ``(H5Source, (batch_size, global_batch), block_size, window_blocks)``, defaults resolved.
     """
+    batches = batch_sizes(batch_size, global_batch, loader.world_size)
     _check_args(loader, block_size, window_blocks)
     check_file(loader.path)
     with contextlib.ExitStack() as undo:  # a bad file is closed again
@@ -94,16 +110,16 @@ def open_checked(loader, block_size, window_blocks):
         undo.callback(file.close)
         _check_datasets(file, loader.path, loader.x_key, loader.y_key)
         try:
-            rank_range(len(file[loader.y_key]), loader.world_size, loader.rank,
-                       loader.batch_size, loader.drop_last, loader.pad)
+            uneven = loader.pad and batches[1] != batches[0] * loader.world_size
+            check_plan(len(file[loader.y_key]), loader.world_size, loader.rank, batches[0], loader.drop_last,
+                       loader.pad, even_shares(batches[1], loader.world_size) if uneven else None)
         except ValueError as exc:
             raise InputValueError(f"'{loader.path}' ('{loader.x_key}'): {exc}") from None
         source = H5Source(file, loader.x_key, loader.y_key, direct=loader.direct_reads)
         undo.pop_all()
     block_size = int(block_size or loader_block_size(source.x))
     sample_bytes = source.x.dtype.itemsize * math.prod(source.sample_shape)
-    return source, block_size, int(window_blocks or
-                                   default_window_blocks(block_size, sample_bytes))
+    return source, batches, block_size, int(window_blocks or default_window_blocks(block_size, sample_bytes))
 
 
 def check_settings_agree(comm, settings: dict) -> None:

@@ -2,23 +2,24 @@
 
 Many small scattered reads make training input slow on parallel file systems (the
 HSGD paper's I/O argument): :func:`plan_epoch` turns an epoch into a short list of
-large contiguous reads per rank, the sample order random, every rank's batch count equal.
+large contiguous reads per rank, the sample order random.
 
-Invariants: a plan is a pure function of ``(num_samples, world_size, rank,
-batch_size, block_size, seed, epoch, ...)``, so every rank computes every rank's plan
-without talking to the others, and tests can simulate any world size in one process.
-Over an epoch the ranks' samples together are a permutation of the data set, except
-for the remainder: ``drop_last=True`` drops the last ``N - world_size * n`` stream
-positions (different samples every epoch); ``drop_last=False`` wraps around, so the
-stream's first ``world_size * n - N`` samples are seen twice; ``pad=False``
-(evaluation) gives every sample exactly once and lets ranks' counts differ by at most
-one sample, hence one batch.
+Invariants: a plan is a pure function of its arguments, so every rank computes every
+rank's plan without talking to the others, and tests simulate any world size in one
+process. A training plan (``pad=True``) is world-size independent: the epoch's order of
+samples, cut into global batches of ``G = sum(shares)``, depends on the data, ``G``,
+the seed, the epoch and the block and window sizes only, never on the ranks; a rank
+takes a slice of each global batch, fixed by the shares of the world at that moment.
+So a run stopped after ``k`` global batches goes on at any rank count from batch ``k``,
+and every sample is used once per epoch (``drop_last=True`` drops the last ``N mod G``
+stream positions, ``drop_last=False`` wraps around to the stream's start). ``pad=False``
+(evaluation): contiguous shards, every sample exactly once, counts differing by one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -26,8 +27,8 @@ import torch
 from .._core.checks import check_int, check_shares
 from ..errors import InputValueError
 
-__all__ = ["EpochPlan", "plan_epoch", "rank_range", "shard_range",
-           "default_block_size", "default_window_blocks", "DEFAULT_BLOCK_BYTES"]
+__all__ = ["EpochPlan", "plan_epoch", "check_plan", "epoch_batches", "even_shares", "window_batches",
+           "shard_range", "default_block_size", "default_window_blocks", "DEFAULT_BLOCK_BYTES"]
 
 DEFAULT_BLOCK_BYTES = 4 << 20
 DEFAULT_WINDOW_BYTES = 16 << 20
@@ -78,44 +79,53 @@ def _check_counts(num_samples, world_size, batch_size) -> None:
             raise InputValueError(f"Invalid {name}: {value!r}; it must be a positive integer")
 
 
-def rank_range(num_samples: int, world_size: int, rank: int, batch_size: int,
-               drop_last: bool = True, pad: bool = True, shares=None) -> Tuple[int, int]:
-    """Rank ``rank``'s ``(start, count)`` in the epoch's sample stream.
+def even_shares(global_batch: int, world_size: int) -> List[int]:
+    """The default split of a global batch over ``world_size`` ranks: as even as it can be, the
+    first ``global_batch mod world_size`` ranks taking one sample more (``[43, 43, 43, 43, 42, 42]``
+    for 256 over 6)."""
+    check_int("world_size", world_size, 1)
+    check_int("global_batch", global_batch, world_size)
+    return [global_batch // world_size + (r < global_batch % world_size) for r in range(world_size)]
 
-    ``drop_last=True``: ``count = (N // (W * B)) * B`` on every rank.
-    ``drop_last=False``: ``count = ceil(N / (W * B)) * B`` on every rank; the
-    stream wraps around. Both need ``N >= W * B``. ``pad=False`` (only with
-    ``drop_last=False``): :func:`shard_range`, every sample exactly once.
-    ``shares``: one batch size per rank instead of ``B`` on every rank (load
-    balancing); the global batch is ``sum(shares)``, and every rank still has
-    the same number of batches, ``N // sum(shares)`` (or its ceiling).
-    """
+
+def epoch_batches(num_samples: int, global_batch: int, drop_last: bool = True) -> int:
+    """Global batches in an epoch: ``N // G`` (``drop_last``), else ``ceil(N / G)``."""
+    return num_samples // global_batch if drop_last else -(-num_samples // global_batch)
+
+
+def window_batches(global_batch: int, block_size: int, window_blocks: int) -> int:
+    """Global batches per window: the fewest whose samples fill ``window_blocks`` blocks (at
+    least one). The ranks' reads and the shuffle go a window at a time; the window depends on
+    the global batch, never on the rank count."""
+    return max(1, -(-window_blocks * block_size // global_batch))
+
+
+def check_plan(num_samples: int, world_size: int, rank: int, batch_size: int, drop_last: bool = True,
+               pad: bool = True, shares=None) -> List[int]:
+    """Check a plan's counts; returns the per-rank shares (``[batch_size] * world_size``
+    without ``shares``). A training plan (``pad``) needs one global batch of samples;
+    ``pad=False`` (evaluation, with ``drop_last=False``) needs nothing more."""
     _check_counts(num_samples, world_size, batch_size)
     if not 0 <= rank < world_size:
         raise InputValueError(f"Invalid rank: {rank}; it must be in [0, {world_size})")
-    if shares is not None:
-        check_shares(shares, world_size)
-        if not pad:
-            raise InputValueError("per-rank batch shares need pad=True (equal batch counts on every rank)")
+    uniform = shares is None
+    shares = [batch_size] * world_size if uniform else list(shares)
+    check_shares(shares, world_size)
     if not pad:
         if drop_last:
             raise InputValueError("pad=False only applies with drop_last=False; "
                                   "set drop_last=False for an every-sample-once pass")
-        start, stop = shard_range(num_samples, world_size, rank)
-        return start, stop - start
-    uniform = shares is None
-    shares = [batch_size] * world_size if uniform else list(shares)
-    global_batch = sum(shares)
-    if num_samples < global_batch:
+        if not uniform:
+            raise InputValueError("per-rank batch shares need pad=True (equal batch counts on every rank)")
+        return shares
+    if num_samples < sum(shares):
         raise InputValueError(
             f"{num_samples} samples are fewer than world_size x batch_size = "
-            f"{world_size} x {batch_size} = {global_batch} needed for one batch "
+            f"{world_size} x {batch_size} = {sum(shares)} needed for one batch "
             f"per rank; use batch_size <= {num_samples // world_size} or fewer ranks" if uniform else
-            f"{num_samples} samples are fewer than the {global_batch} of one batch per rank with "
-            f"batch shares {shares}")
-    batches = (num_samples // global_batch if drop_last
-               else -(-num_samples // global_batch))
-    return batches * sum(shares[:rank]), batches * shares[rank]
+            f"{num_samples} samples are fewer than the global batch of {sum(shares)} (batch shares {shares}); "
+            f"use a smaller batch or more data")
+    return shares
 
 
 def _block_order(num_samples, block_size, shuffle, seed, epoch):
@@ -157,8 +167,11 @@ class EpochPlan:
         segments: ``(k, 2)`` int64 file row ranges ``[start, stop)`` in read order.
         window_bounds: ``(w + 1,)`` segment indices: window ``i`` is
             ``segments[window_bounds[i]:window_bounds[i + 1]]``.
-        batch_size, shuffle: as given to :func:`plan_epoch`.
+        batch_size: this rank's batch (its share of the global batch).
+        shuffle: as given to :func:`plan_epoch`.
         key: ``(seed, epoch, rank)``, the seed of the in-window shuffles.
+        lanes: ``(first slot, global batch)`` of a shuffled training plan, whose windows are
+            laid out in lanes (:func:`plan_epoch`, step 4); ``None`` otherwise.
     """
 
     segments: np.ndarray
@@ -166,6 +179,7 @@ class EpochPlan:
     batch_size: int
     shuffle: bool
     key: Tuple[int, int, int]
+    lanes: Optional[Tuple[int, int]] = None
 
     @property
     def num_samples(self) -> int:
@@ -191,14 +205,23 @@ class EpochPlan:
     def window_order(self, window: int) -> np.ndarray:
         """Positions in the window's read buffer, in yield order.
 
-        ``torch.randperm`` (faster than numpy's permutation, which cost more than reading
-        the window) seeded from ``(seed, epoch, rank, window)``.
+        Lanes: batch ``j`` of the window takes, from every lane ``t`` of this rank, its
+        element ``sigma_t(j)``; ``sigma`` is row ``t`` of a key matrix drawn for the whole
+        window from ``(seed, epoch, window)`` (the same at every rank count). Otherwise
+        ``torch.randperm`` (faster than numpy's permutation, which cost more than reading the
+        window) seeded from ``(seed, epoch, rank, window)``, or read order without shuffle.
         """
         size = self.window_size(window)
         if not self.shuffle:
             return np.arange(size, dtype=np.int64)
-        seed = np.random.SeedSequence([*self.key, window]).generate_state(1, np.uint64)[0]
-        generator = torch.Generator().manual_seed(int(seed))
+        if self.lanes is not None:
+            first, global_batch = self.lanes
+            share, batches = self.batch_size, size // self.batch_size
+            keys = torch.rand((global_batch, batches), dtype=torch.float64,
+                              generator=_generator(self.key[0], self.key[1], window))[first:first + share]
+            sigma = torch.argsort(keys, dim=1, stable=True) + torch.arange(share).unsqueeze(1) * batches
+            return sigma.t().reshape(-1).numpy()
+        generator = _generator(*self.key, window)
         return torch.randperm(size, generator=generator).numpy()
 
     def window_indices(self, window: int, order=None) -> np.ndarray:
@@ -225,6 +248,11 @@ class EpochPlan:
         return window, position - int(sum(sizes[:window]))
 
 
+def _generator(*key: int) -> torch.Generator:
+    seed = np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(seed))
+
+
 def plan_epoch(num_samples: int, world_size: int, rank: int, batch_size: int,
                block_size: int, seed: int = 0, epoch: int = 0, drop_last: bool = True,
                *, shuffle: bool = True, pad: bool = True,
@@ -238,16 +266,19 @@ def plan_epoch(num_samples: int, world_size: int, rank: int, batch_size: int,
        rotated by a random sample offset, so that rank boundaries move between epochs
        even when there are only a few blocks. ``shuffle=False`` keeps file order and no
        rotation.
-    3. **Dealing.** Rank ``r`` takes the contiguous stream range ``[r * n, (r + 1) * n)``;
-       every rank gets the same ``n``, a multiple of ``batch_size`` (:func:`rank_range`).
-       The range becomes *segments*: file row ranges, each inside one block, one read
-       each. Only the ends of a rank's range, the rotation point and the data set's short
-       last block give segments shorter than a block.
-    4. **Windows.** A rank's segments are grouped ``window_blocks`` at a time. A window is
-       read, its samples are shuffled (``torch.randperm`` seeded with ``(seed, epoch,
-       rank, window)``), and the result is cut into batches; a batch may span two
-       windows. The loader's default window is the fewest blocks that hold 1024 samples,
-       at most 16 MiB (:func:`default_window_blocks`).
+    3. **Global batches.** Rank ``r`` takes ``shares[r]`` samples of every global batch
+       (default ``batch_size`` each), the global batch being ``G = sum(shares)``; an epoch
+       has :func:`epoch_batches` of them, and the stream is cut into windows of
+       :func:`window_batches` global batches.
+    4. **Lanes.** A window of ``m`` global batches is ``G`` lanes of ``m`` consecutive stream
+       positions; global batch ``j`` of the window takes one sample of every lane, lane
+       ``t``'s ``sigma_t(j)``-th (:meth:`EpochPlan.window_order`), and rank ``r`` takes
+       lanes ``sum(shares[:r])`` to ``sum(shares[:r + 1])``: one contiguous range of the
+       stream, read in a few segments, each inside one block. Which samples form a global
+       batch depends neither on ``world_size`` nor on the shares. ``shuffle=False``: global
+       batch ``k`` is stream positions ``[kG, (k + 1)G)``, file order. ``pad=False``
+       (evaluation): rank ``r`` reads :func:`shard_range`, ``window_blocks`` blocks at a time,
+       shuffled with ``torch.randperm`` seeded from ``(seed, epoch, rank, window)``.
 
     Example::
 
@@ -258,10 +289,28 @@ def plan_epoch(num_samples: int, world_size: int, rank: int, batch_size: int,
     for name, value, minimum in (("block_size", block_size, 1), ("window_blocks", window_blocks, 1),
                                  ("seed", seed, 0), ("epoch", epoch, 0)):
         check_int(name, value, minimum)
-    start, count = rank_range(num_samples, world_size, rank, batch_size, drop_last, pad, shares)
-    batch_size = batch_size if shares is None else int(shares[rank])
+    shares = check_plan(num_samples, world_size, rank, batch_size, drop_last, pad, shares)
     order, offset = _block_order(num_samples, block_size, shuffle, seed, epoch)
-    segments = _stream_segments(num_samples, block_size, order, offset, start, count)
-    bounds = np.unique(np.r_[np.arange(0, len(segments), window_blocks), len(segments)])
-    return EpochPlan(segments, bounds.astype(np.int64), int(batch_size), bool(shuffle),
-                     (int(seed), int(epoch), int(rank)))
+    key = (int(seed), int(epoch), int(rank))
+    if not pad:
+        start, stop = shard_range(num_samples, world_size, rank)
+        segments = _stream_segments(num_samples, block_size, order, offset, start, stop - start)
+        bounds = np.unique(np.r_[np.arange(0, len(segments), window_blocks), len(segments)])
+        return EpochPlan(segments, bounds.astype(np.int64), int(batch_size), bool(shuffle), key)
+    global_batch, first, share = sum(shares), sum(shares[:rank]), shares[rank]
+    batches = epoch_batches(num_samples, global_batch, drop_last)
+    per_window = window_batches(global_batch, block_size, window_blocks)
+    pieces: List[np.ndarray] = []
+    ends = [0]  # segment index at which each window ends
+    for w0 in range(0, batches, per_window):
+        m, base = min(per_window, batches - w0), w0 * global_batch
+        if shuffle:  # this rank's lanes: one range of the stream
+            ranges = [(base + first * m, share * m)]
+        else:  # file order: this rank's slice of each global batch
+            ranges = [(base + j * global_batch + first, share) for j in range(m)]
+        window = [_stream_segments(num_samples, block_size, order, offset, a, n) for a, n in ranges]
+        pieces += window
+        ends.append(ends[-1] + sum(len(piece) for piece in window))
+    segments = np.concatenate(pieces) if pieces else np.empty((0, 2), dtype=np.int64)
+    return EpochPlan(segments, np.asarray(ends, dtype=np.int64), int(share), bool(shuffle), key,
+                     (first, global_batch) if shuffle else None)

@@ -3,7 +3,10 @@ and fed each epoch's busy time (data, compute and straggling, not waiting for ot
 
 Also carries shares that a checkpoint of a balanced run brings: they keep weighting the
 averages until the interrupted epoch ends, then batches are equal again (without
-``--balance``), or the run stops with an error if the mode cannot weight them mid-epoch.
+``--balance``), or the run stops with an error if the mode cannot weight them mid-epoch;
+and the even split of a global batch that the rank count does not divide, whose
+unequal shares weight the averages too (or, in a mode that cannot weight them, stop the
+run with one error line).
 """
 
 from __future__ import annotations
@@ -37,14 +40,22 @@ class Balancing(Hook):
         self.cfg, self.loader, self.opt, self.comm = cfg, loader, opt, comm
         self.balancer: Optional[LoadBalancer] = None
         self._busy: Optional[Tuple[float, int]] = None  # (busy seconds, steps) of the last epoch
-        if not (cfg.balance or loader.shares):
+        if not (cfg.balance or loader.shares or _uneven(loader.batch_shares)):
             return
-        if not opt.balances:  # shares from a balanced run's checkpoint, resumed in another mode
-            if loader.position:
+        if not opt.balances:
+            if loader.shares and loader.position:  # shares from a balanced run's checkpoint, in another mode
                 raise collective_error(InputValueError, f"the checkpoint's epoch runs with per-rank batch "
                                        f"shares (--balance); --sync {cfg.sync} cannot weight them: "
                                        f"resume with --sync sync or local, or from an epoch-end checkpoint")
             loader.set_shares(None)
+            if _uneven(loader.batch_shares):
+                world, batch = loader.world_size, loader.global_batch
+                fits = [n for n in range(1, min(batch, 4 * world) + 1) if batch % n == 0]
+                raise collective_error(InputValueError, f"--batch-size {batch} does not split evenly over {world} "
+                                       f"ranks ({loader.batch_shares}), and --sync {cfg.sync} cannot weight "
+                                       f"unequal batches: run on a rank count that divides it "
+                                       f"({', '.join(map(str, fits))}, ...), or with a --batch-size that "
+                                       f"{world} divides (from an epoch-end checkpoint when resuming)")
             return
         self.balancer = LoadBalancer(loader, opt, comm)
         if cfg.balance:
@@ -68,6 +79,10 @@ class Balancing(Hook):
     def epoch_end(self, record: dict, times: Counter, steps: int) -> None:
         """The finished epoch's phase times of this rank (``times``) over its ``steps``."""
         self._busy = (sum(times[phase] for phase in BUSY_PHASES), steps)
+
+
+def _uneven(shares) -> bool:
+    return len(set(shares)) > 1
 
 
 def _calibration_work(model, loader, opt, device, comm, straggle, autocast, task: Task):

@@ -23,6 +23,7 @@ from ..errors import InputValueError
 from ..modes import SYNC_MODES
 from .mode_flags import ModeFlags, mode_flags, mode_problem, mode_settings
 from .models import GPTConfig, model_problem
+from .saving import parse_save_every
 
 __all__ = ["TrainConfig", "parse_config", "default_cache_dir"]
 
@@ -85,7 +86,8 @@ class TrainConfig(ModeFlags):
     milestones: List[int] = _opt(None, "epochs at which the step schedule multiplies lr by 0.1", nargs="+")
     # --- training ---
     epochs: int = _opt(30, "passes over the training data")
-    batch_size: int = _opt(256, "global batch (all ranks together); each rank takes batch/world")
+    batch_size: int = _opt(256, "global batch (all ranks together), kept at any rank count: each rank takes "
+                                "batch/world, the first (batch mod world) ranks one sample more")
     seed: int = _opt(0, "seed of model init and data order")
     threads: int = _opt(0, "torch threads per rank; 0: $SLURM_CPUS_PER_TASK, else $OMP_NUM_THREADS, "
                                     "else cores / ranks on this node")
@@ -113,7 +115,9 @@ class TrainConfig(ModeFlags):
                                     "RUN_DIR/tensorboard (needs the tensorboard package)")
     timeline: Optional[str] = _opt(None, "write a Chrome-trace JSON of every rank's phases here")
     checkpoint_dir: Optional[str] = _opt(None, "where checkpoints go; default RUN_DIR/checkpoints")
-    save_every: int = _opt(0, "also checkpoint every N steps (0: at the end of every epoch only)")
+    save_every: str = _opt("0", "also checkpoint every N steps (e.g. 100) or every N seconds (e.g. 30s, 5m); "
+                                "0: at the end of every epoch only. The state is gathered at the step and "
+                                "written in the background while training goes on", metavar="N|Ns|Nm")
     nonfinite_limit: int = _opt(5, "--sync sync: skip a step whose averaged gradients hold NaN or Inf, and "
                                    "stop after this many in a row (with --amp fp16 the GradScaler's skipped "
                                    "steps count, each halving the loss scale); 0: no check")
@@ -139,7 +143,11 @@ class TrainConfig(ModeFlags):
         for name, value in positive.items():
             if not value > 0:
                 return f"--{name.replace('_', '-')} must be positive, got {value}"
-        for name in ("momentum", "weight_decay", "threads", "save_every", "stop_after", "nonfinite_limit"):
+        try:
+            parse_save_every(self.save_every)
+        except ValueError as exc:
+            return str(exc)
+        for name in ("momentum", "weight_decay", "threads", "stop_after", "nonfinite_limit"):
             if getattr(self, name) < 0:
                 return f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
         if not 0 <= self.momentum < 1:

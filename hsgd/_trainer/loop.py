@@ -5,7 +5,8 @@ Read top to bottom: :meth:`Trainer.run` runs epochs until the last one or a stop
 forward/backward, the synchronization mode's ``step()``, the LR schedule); what a batch
 is made into, its loss and its score are the task's (:mod:`hsgd._trainer.tasks`).
 Around the steps the loop logs every ``--log-every`` steps and checkpoints every
-``--save-every``; everything else is a hook (:mod:`hsgd._trainer.hooks`).
+``--save-every`` (steps or seconds: the state gathered at the step, written in the
+background, :mod:`hsgd._trainer.saving`); everything else is a hook (:mod:`hsgd._trainer.hooks`).
 :meth:`Trainer._end_epoch` evaluates and writes the epoch record.
 
 Invariants: every method is collective, but inside an epoch the loop adds no
@@ -27,14 +28,15 @@ from mpi4py import MPI
 
 from .._core.agree import check_all, collective_error, on_root
 from ..errors import InputValueError
+from ..faults import record_faults_to
 from ..faults.stall import StallInspector
 from .balancing import Balancing
-from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .hooks import Hooks, StopAfter, Straggler
-from .metrics import MetricsLog, PhaseClock, write_timeline
+from .metrics import MetricsLog, PhaseClock, process_age, write_timeline
 from .precision import MixedPrecision
 from .progress_bar import Progress
+from .saving import CheckpointWriter, SaveCadence, parse_save_every
 from .setup import build, setup
 from .stopping import STOP_CHECK_STEPS, stop_agreement
 from .tasks import Task
@@ -54,6 +56,7 @@ class Trainer:
         self.cfg, self.stopper = cfg, stopper
         self.topo, self.device, self.run_dir, self.ckpt_dir = setup(cfg, comm)
         self.is_main = self.topo.rank == 0
+        record_faults_to(self.run_dir / "metrics.jsonl")  # why the job ended, if hsgd ends it (python -m hsgd.run)
         self.amp = MixedPrecision(cfg.amp, self.device)
         # The mode's too: one inspector watches the mode's waits and the trainer's own collectives
         # (metrics, evaluation, checkpoints, the stop agreement), so a lost host or a partition
@@ -63,8 +66,11 @@ class Trainer:
             build(cfg, self.topo, self.device, self.stall)
         self.step, self.epoch, self.best = 0, 0, 0.0
         self.comm = self.stall.watched(comm, lambda: self.step)  # the trainer's own collectives
+        self.start = {"step": 0, "resumed": None, "load_s": 0.0}  # for the run's "start" record
         if cfg.resume:
+            loading = time.perf_counter()
             self._resume()
+            self.start["load_s"] = time.perf_counter() - loading
         self.clock = PhaseClock(self.topo.rank, trace=cfg.timeline is not None)
         self.opt.on_phase = self.clock.record
         self._sent_before = self.opt.traffic["inter_bytes"]
@@ -82,22 +88,42 @@ class Trainer:
         self.hooks = Hooks([straggler, balancing, stop_agreement(self.opt, comm, stopper, self.step, self.stall),
                             StopAfter(cfg.stop_after) if cfg.stop_after else None,
                             Progress(cfg.progress, self.is_main, len(self.train_loader))])
+        self.writer = CheckpointWriter(self.ckpt_dir, cfg.keep_checkpoints)  # rank 0's
+        self.cadence = SaveCadence(parse_save_every(cfg.save_every), self.comm, self.step)
 
     def _resume(self) -> None:
-        state = resume_state(self.cfg, self.ckpt_dir, self.model, self.comm)
+        state = resume_state(self.cfg, self.ckpt_dir, self.model, self.opt, self.comm)
         if state is not None:
             self.step, self.epoch, self.best = restore(state, self.model, self.opt, self.scheduler,
-                                                       self.train_loader, self.comm, self.amp)
+                                                       self.train_loader, self.comm, self.amp, self.cfg.seed)
+            self.start.update(step=self.step, resumed=self.step)
         elif self.is_main:
             logger.info("no checkpoint in %s: starting afresh", self.ckpt_dir)
 
     def save(self) -> None:
+        """Gather the state here, at the step boundary (collective); rank 0 writes it in the
+        background, once its previous write is done (whose failure fails every rank here)."""
+        start = time.perf_counter()
         state = checkpoint_state(self.cfg, self.model, self.opt, self.scheduler, self.train_loader,
                                  self.step, self.epoch, self.best, self.comm, self.amp.state_dict())
-        on_root(self.comm, save_checkpoint, self.ckpt_dir, state, self.step, self.cfg.keep_checkpoints)
+        on_root(self.comm, self.writer.submit, state, self.step)
+        self.cadence.saved(self.step)
+        position = self.train_loader.state_dict()  # the loader's epoch: at an epoch's end, the one just done
+        self.log.write("checkpoint", step=self.step, epoch=position["epoch"], samples=position["samples"],
+                       wall=round(time.time(), 3), gather_s=round(time.perf_counter() - start, 4),
+                       last_write_s=self.writer.last_seconds)
+
+    def _write_start(self) -> None:
+        """The run's "start" record (collective): where it starts, on which hosts, and how long
+        this process took to get here (``startup_s``, loading a checkpoint ``load_s`` included)."""
+        hosts = self.comm.allgather(MPI.Get_processor_name())
+        self.log.write("start", wall=round(time.time(), 3), epoch=self.epoch, world_size=self.comm.Get_size(),
+                       num_nodes=self.topo.num_nodes, hosts=hosts, startup_s=process_age(),
+                       **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.start.items()})
 
     def run(self) -> int:
         """Train to the last epoch or until stopped; returns the exit status."""
+        self._write_start()
         stop, run_steps = None, 0
         while self.epoch < self.cfg.epochs and stop is None:
             stop, run_steps = self._run_epoch(run_steps)
@@ -127,7 +153,7 @@ class Trainer:
                 totals += window
                 window.zero_()
                 window_start = time.perf_counter()
-            if stop is None and cfg.save_every and self.step % cfg.save_every == 0:
+            if stop is None and self.cadence.due(self.step):
                 self.save()
         totals += window
         with self.stall.waiting(self.step, "epoch end"):
@@ -184,7 +210,7 @@ class Trainer:
         times = self.clock.take()
         epoch_times.update(times)
         sent = self.opt.traffic["inter_bytes"]  # rank 0's own, since its last record: no collective
-        record = dict(epoch=self.epoch, step=self.step, loss=(window[0] / window[2]).item(),
+        record = dict(epoch=self.epoch, step=self.step, wall=round(time.time(), 3), loss=(window[0] / window[2]).item(),
                       lr=self.scheduler.get_last_lr()[0], samples_per_s=window[2].item() / seconds,
                       ranks=ranks, time=times, own_inter_bytes=sent - self._sent_before)
         self._sent_before = sent
@@ -215,11 +241,11 @@ class Trainer:
         mine = [now[k] - self._traffic_start[k] for k in keys]
         every = self.comm.allgather((mine, steps_per_s))
         moved = [sum(m[i] for m, _ in every) for i in range(len(keys))]
-        shares = self.train_loader.shares or [self.train_loader.batch_size] * self.comm.Get_size()
         return dict(zip(keys, moved), rank_steps_per_s=[round(rate, 3) for _, rate in every],
-                    batch_shares=shares)
+                    batch_shares=self.train_loader.batch_shares)
 
     def _finish(self, stop: Optional[str]) -> None:
+        on_root(self.comm, self.writer.wait)  # the last checkpoint is on disk before the job ends
         self.hooks.close()
         self.log.close()
         if self.cfg.timeline:

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..errors import InputValueError
 
-__all__ = ["PhaseClock", "MetricsLog", "write_timeline"]
+__all__ = ["PhaseClock", "MetricsLog", "write_timeline", "process_age"]
 
 
 class PhaseClock:
@@ -69,6 +69,17 @@ class PhaseClock:
         """The totals since the previous call, then reset."""
         totals, self._totals = dict(self._totals), defaultdict(float)
         return totals
+
+
+def process_age() -> Optional[float]:
+    """Seconds since this process started (``/proc``: Linux), ``None`` where unknown: a job's
+    start-up, the interpreter and the imports included."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"), 3)  # field 22: start, in ticks since boot
 
 
 def write_timeline(path, events_per_rank: List[List[dict]]) -> Path:

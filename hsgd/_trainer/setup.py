@@ -103,18 +103,17 @@ def build(cfg, topo, device, stall=None):
     on every rank. ``stall``: the stall inspector that the mode shares with the trainer
     (``None``: its own)."""
     comm = topo.comm
-    if cfg.batch_size % topo.size:
-        raise collective_error(InputValueError, f"--batch-size {cfg.batch_size} is the global batch and "
-                               f"must be a multiple of the {topo.size} ranks, e.g. "
-                               f"{cfg.batch_size - cfg.batch_size % topo.size or topo.size}")
+    if cfg.batch_size < topo.size:
+        raise collective_error(InputValueError, f"--batch-size {cfg.batch_size} is the global batch: it cannot "
+                               f"give each of the {topo.size} ranks a sample; use --batch-size >= {topo.size}")
     train_path, test_path = prepare_data(cfg, comm)
     n = dataset_length(train_path, cfg.y_key, comm)
     if n is not None and n < cfg.batch_size:
         raise collective_error(InputValueError, f"--batch-size {cfg.batch_size} is larger than the {n} "
                                f"training samples in {train_path}; use --batch-size <= "
                                f"{max(topo.size, n - n % topo.size)} or more data")
-    train = ContiguousH5Loader(train_path, cfg.x_key, cfg.y_key, batch_size=cfg.batch_size // topo.size,
-                               comm=comm, seed=cfg.seed)
+    train = ContiguousH5Loader(train_path, cfg.x_key, cfg.y_key, global_batch=cfg.batch_size, comm=comm,
+                               seed=cfg.seed)
     classes = num_classes(train_path, cfg.y_key, comm)
     task = check_all(comm, choose_task, cfg.model, data_kind(train_path, comm), train_path, train.sample_shape,
                      train.label_shape, classes, cfg.block_size)

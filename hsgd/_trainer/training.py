@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Tuple
 
 import h5py
+import numpy as np
 import torch
 from mpi4py import MPI
 
 from .._core.agree import check_all, on_root
+from .._engine.optimizer import mean_of_states
 from ..data import ensure_mnist1d, ensure_stdlib_tokens
 from ..errors import InputValueError
 from ..lars import LARS
@@ -160,12 +161,15 @@ def _check_compatible(state: dict, model: torch.nn.Module, cfg: TrainConfig, pat
             "--checkpoint-dir")
 
 
-def resume_state(cfg: TrainConfig, checkpoint_dir: Path, model, comm) -> Optional[dict]:
+def resume_state(cfg: TrainConfig, checkpoint_dir: Path, model, opt, comm) -> Optional[dict]:
     """Rank 0 loads the checkpoint to resume from; every rank gets its part (or ``None``).
 
     Per-rank entries (``replicas``, ``rng``, ``rank_states``) are scattered, each rank getting
     its own as ``state["replica"]`` / ``state["rng"]`` / ``state["rank_state"]``; the rest is
-    broadcast once. From a run with another number of ranks, only the shared part is used.
+    broadcast once. From a run with another number of ranks every rank gets the same replica:
+    the saved (averaged) model and the mode's merge of the old ranks' optimizer states
+    (``opt.merge_state_dicts``), an RNG state derived from ``--seed``, the step and its rank
+    (``state["rng"]`` is ``None``), and no rank state (a codec's error feedback starts afresh).
     """
     state = None
 
@@ -187,18 +191,27 @@ def resume_state(cfg: TrainConfig, checkpoint_dir: Path, model, comm) -> Optiona
     same_world = comm.bcast(None if state is None else state.get("world_size") == comm.Get_size())
     if same_world is None:
         return None
-    mine = {}
-    for key in ("replicas", "rng", "rank_states"):
-        entries = state.pop(key, None) if state is not None else None
-        mine[key] = comm.scatter(entries if same_world and entries else None, root=0)
+    replicas = state.pop("replicas", None) if state is not None else None
+    rng = state.pop("rng", None) if state is not None else None
+    rank_states = state.pop("rank_states", None) if state is not None else None
+    if not same_world and replicas and comm.Get_rank() == 0:  # one merged replica for every new rank
+        replicas = [{"optimizer": opt.merge_state_dicts([r["optimizer"] for r in replicas], comm.Get_size()),
+                     **({"scaler": _merged_scaler(replicas)} if "scaler" in replicas[0] else {})}]
+    # branches on same_world only: every rank takes the same one (replicas is rank 0's alone)
+    replica = comm.scatter(replicas or None, root=0) if same_world else \
+        comm.bcast(replicas[0] if replicas else None, root=0)
+    rng = comm.scatter(rng if same_world and rng else None, root=0)
+    rank_state = comm.scatter(rank_states if same_world and rank_states else None, root=0)
     state = comm.bcast(state, root=0)
-    state["replica"], state["rng"], state["same_world"] = mine["replicas"], mine["rng"], same_world
-    state["rank_state"] = mine["rank_states"]
-    if not same_world and comm.Get_rank() == 0:
-        logger.warning("the checkpoint is from %s ranks, this run has %d: resuming from the "
-                       "averaged model at the start of epoch %d; RNG streams start afresh",
-                       state.get("world_size"), comm.Get_size(), state["epoch"])
+    state["replica"], state["rng"], state["same_world"] = replica, rng, same_world
+    state["rank_state"] = rank_state
+    state["merged"] = bool(replicas) and not same_world  # for restore()'s account of it
     return state
+
+
+def _merged_scaler(replicas):
+    """The old ranks' GradScaler states, merged (their scale averaged)."""
+    return mean_of_states([r["scaler"] for r in replicas])
 
 
 def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, best, comm, scaler=None) -> dict:
@@ -217,8 +230,10 @@ def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, best, comm
     rng = comm.gather(torch.get_rng_state(), root=0)
     rank_state = opt.rank_state_dict()  # None on every rank, or a dict on every rank
     shared = {k: v for k, v in opt.state_dict().items() if k not in (rank_state or {})}
-    state = {"model": opt.shared_state_dict(), "optimizer": shared,
-             "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+    # Copies, not the live optimizer state: the write may go on while training does
+    # (the model is a copy already, the gathered entries are unpickled copies).
+    state = {"model": opt.shared_state_dict(), "optimizer": _copied(shared),
+             "scheduler": _copied(scheduler.state_dict()), "loader": loader.state_dict(),
              "rng": rng, "step": step, "epoch": epoch, "best_test_acc": best,
              "config": asdict(cfg), "world_size": comm.Get_size()}
     if scaler is not None:
@@ -233,15 +248,26 @@ def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, best, comm
     return state
 
 
-def restore(state: dict, model, opt, scheduler, loader, comm, amp=None) -> Tuple[int, int, float]:
+def _copied(value):
+    """``value`` with every tensor cloned and every container copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+def restore(state: dict, model, opt, scheduler, loader, comm, amp=None, seed: int = 0) -> Tuple[int, int, float]:
     """Load a checkpoint's state on this rank; returns (step, epoch, best test accuracy).
     ``amp``: the run's :class:`~hsgd._trainer.precision.MixedPrecision`, which takes the saved
     loss scaler's state (if any).
 
-    With another number of ranks the data order cannot continue mid-epoch:
-    the interrupted epoch starts again from its beginning, and so do the step
-    count and the LR schedule (else the run would take more steps than it
-    plans and end its schedule early).
+    At any rank count the run goes on from the saved position: the epoch's remaining global
+    batches (the loader), the step count and the LR schedule. At another rank count each
+    rank's torch RNG is seeded from ``(seed, step, rank)``: at the same rank count the
+    saved streams continue, so that the run ends bit for bit where an unstopped one does.
     """
     own = state.get("replica") or {}
     model.load_state_dict(own.get("model", state["model"]))
@@ -252,23 +278,18 @@ def restore(state: dict, model, opt, scheduler, loader, comm, amp=None) -> Tuple
     if amp is not None:
         amp.load_state_dict(own.get("scaler", state.get("scaler")))
     step = int(state["step"])
-    if state["same_world"]:
-        check_all(comm, loader.load_state_dict, state["loader"])
-    else:
-        loader.set_epoch(int(state["epoch"]))
-        saved = state["loader"]
-        if int(saved["epoch"]) == int(state["epoch"]):  # saved mid-epoch: back to the epoch's first step
-            step -= int(saved["position"])
-            _move_schedule(scheduler, step)
+    check_all(comm, loader.load_state_dict, state["loader"])
+    if not state["same_world"] and comm.Get_rank() == 0:
+        logger.info("the checkpoint is from %s ranks, this run has %d: epoch %d goes on from its global batch %d "
+                    "(sample %d) with batch shares %s; %sRNG streams derived from --seed and the step",
+                    state.get("world_size"), comm.Get_size(), loader.epoch, loader.position,
+                    loader.position * loader.global_batch, loader.batch_shares,
+                    "every replica starts from the saved average, the optimizer states averaged; "
+                    if state.get("merged") else "")
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])
+    else:
+        key = np.random.SeedSequence([seed, step, comm.Get_rank()]).generate_state(1, np.uint64)[0]
+        torch.manual_seed(int(key))
     opt.load_shared_state_dict(state["model"])
     return step, int(state["epoch"]), float(state.get("best_test_acc", 0.0))
-
-
-def _move_schedule(scheduler, step: int) -> None:
-    """Put ``scheduler`` (and its optimizer's lr) at ``step``: the schedules here are closed forms of it."""
-    scheduler.last_epoch = step - 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
-        scheduler.step()

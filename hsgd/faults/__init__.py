@@ -5,7 +5,8 @@
   (``MPI_Abort``), in the manner of ``python -m mpi4py``;
 - ``hsgd.faults.stall``: the :class:`StallInspector` names the ranks
   missing from a synchronization that waits too long, and ends a job that
-  waits for good;
+  waits for good; both write why the job ended as one JSON record where
+  :func:`record_faults_to` says;
 - :mod:`hsgd._core.leftovers`: the files MPI leaves in ``/dev/shm`` and
   the temporary directory when a job ends abnormally are unlinked while the
   job runs, as soon as every rank has attached them.
@@ -16,11 +17,11 @@ them off.
 """
 
 from .._core.leftovers import unlink_mpi_files
-from .abort import abort_job, abort_on_exception, install_abort_hook
+from .abort import abort_job, abort_on_exception, install_abort_hook, record_faults_to
 from .stall import StallInspector, StallSettings
 
 __all__ = ["protect", "abort_job", "abort_on_exception", "install_abort_hook", "unlink_mpi_files", "StallInspector",
-           "StallSettings"]
+           "StallSettings", "record_faults_to"]
 
 
 def protect(comm) -> None:

@@ -8,22 +8,53 @@ that prints the traceback once, each line tagged ``[rank R]``, then calls
 and under ``srun``) with a non-zero exit. Every synchronization mode
 installs it when built; ``HSGD_ABORT_ON_EXCEPTION=0`` (or
 ``abort_on_exception(False)``) turns it off, for example to debug one rank
-interactively.
+interactively. With :func:`record_faults_to`, the abort also appends one JSON line saying
+why the job ends (``{"event": "fault", "cause": "exception", ...}``), which a supervisor
+reads instead of the job's free text (``python -m hsgd.run``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import stat
 import sys
 import time
 import traceback
 from typing import Any, Dict
 
-__all__ = ["abort_job", "abort_on_exception", "install_abort_hook", "flush_to_launcher", "ENV"]
+__all__ = ["abort_job", "abort_on_exception", "install_abort_hook", "flush_to_launcher", "record_faults_to",
+           "write_fault_record", "ENV"]
 
 ENV = "HSGD_ABORT_ON_EXCEPTION"
-_state: Dict[str, Any] = {"enabled": True, "previous": None}
+_state: Dict[str, Any] = {"enabled": True, "previous": None, "record": None}
+
+
+def record_faults_to(path) -> None:
+    """Where this process appends a fault record when it ends the job (``None``: nowhere).
+    The trainer names its ``metrics.jsonl`` on every rank; local."""
+    _state["record"] = None if path is None else os.fspath(path)
+
+
+def write_fault_record(cause: str, **fields: Any) -> None:
+    """Append ``{"event": "fault", "cause": cause, "rank", "host", "wall", **fields}`` to the
+    file of :func:`record_faults_to`, if any, in one ``write`` to a file opened for appending
+    (several ranks may write at once); best effort: a failure to write is ignored."""
+    if _state["record"] is None:
+        return
+    from mpi4py import MPI
+
+    record = {"event": "fault", "cause": cause, "rank": MPI.COMM_WORLD.Get_rank(), "host": socket.gethostname(),
+              "wall": round(time.time(), 3), **fields}
+    try:
+        fd = os.open(_state["record"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def abort_job(exc_type, exc, tb, code: int = 1) -> None:
@@ -35,6 +66,7 @@ def abort_job(exc_type, exc, tb, code: int = 1) -> None:
     text = "\n".join(f"[rank {rank}] {line}" for line in lines)
     sys.stderr.write(f"{text}\n[rank {rank}] hsgd: uncaught exception on rank {rank} of {size}: "
                      f"aborting the job (MPI_Abort)\n")
+    write_fault_record("exception", error=f"{exc_type.__name__}: {exc}"[:500])
     flush_to_launcher()
     MPI.COMM_WORLD.Abort(code)
 

@@ -24,13 +24,13 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from .._core.agree import collective_error
 from ..errors import InputValueError
-from .abort import flush_to_launcher
+from .abort import flush_to_launcher, write_fault_record
 
 if TYPE_CHECKING:
     import numpy as np
@@ -134,6 +134,7 @@ class StallInspector:
         self.comm, self.rank = comm, comm.Get_rank()
         self._threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE  # may the watchdog call MPI?
         self.entered, self._step, self._what = 0, 0, ""
+        self._named: Tuple[List[int], List[int]] = ([], [])  # the last report's missing and silent ranks
         self._since: Optional[float] = None
         self.board: Optional[RemoteMemory] = None
         self._slot: Optional[np.ndarray] = None
@@ -211,12 +212,14 @@ class StallInspector:
             if self.abort or ending:
                 why = f"{ABORT_ENV}/stall_abort" if self.abort else \
                     f"waited {waited:.0f} s, longer than stall_abort_after / {ABORT_AFTER_ENV} = {self.abort_after:g} s"
-                self._abort(why)
+                self._abort(why, waited)
 
-    def _abort(self, why: str) -> None:
+    def _abort(self, why: str, waited: float) -> None:
         from mpi4py import MPI
 
         sys.stderr.write(f"[rank {self.rank}] hsgd stall: aborting the job ({why})\n")
+        missing, silent = self._named
+        write_fault_record("stall", step=self._step, waited_s=round(waited, 1), missing=missing, silent=silent)
         flush_to_launcher()
         # MPI_Abort may wait for a launcher that waits for a lost host: leave anyway.
         threading.Timer(EXIT_GRACE_S, os._exit, (1,)).start()
@@ -234,6 +237,7 @@ class StallInspector:
         entered = [w >> _STEP_BITS for w in words]
         steps = [w & ((1 << _STEP_BITS) - 1) for w in words]
         missing = [r for r, n in enumerate(entered) if r in silent or n < self.entered]
+        self._named = (missing, sorted(silent))
         return ", ".join(f"rank {r} (not answering for {_READ_TIMEOUT_S:g} s: its host or network may be gone)"
                          if r in silent else f"rank {r} (last at step {steps[r]})" if entered[r] else
                          f"rank {r} (no synchronization yet)" for r in missing) or None

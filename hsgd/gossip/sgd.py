@@ -194,6 +194,14 @@ class GossipSGD(SyncMode):
             self.weight = float(gossip["weight"])
             self.sent.copy_(gossip["sent"])
 
+    def merge_state_dicts(self, states: Sequence[Dict[str, Any]], world_size: int) -> Dict[str, Any]:
+        """The mean of the old ranks' inner optimizer states, without the push-sum state: every
+        new rank starts from the checkpoint's consensus with weight 1 (the weights then sum to
+        the rank count, as at the start of a run)."""
+        merged = super().merge_state_dicts(states, world_size)
+        merged.pop("hsgd_gossip", None)
+        return merged
+
     def __repr__(self) -> str:
         return (f"GossipSGD({type(self.optimizer).__name__}, graph={self.settings.graph!r}, "
                 f"theta={self.settings.theta}, {self.topology})")

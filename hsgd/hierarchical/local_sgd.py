@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -173,6 +173,16 @@ class HierarchicalLocalSGD(HierarchicalMode):
         super().load_state_dict(state_dict)
         if outer is not None and engine_outer is not None:
             engine_outer.load_state_dict(outer)
+
+    def merge_state_dicts(self, states: Sequence[Dict[str, Any]], world_size: int) -> Dict[str, Any]:
+        """The mean of the old ranks' states (the inner optimizers' too); ``θ_g`` and the outer
+        state are the same on every rank. A streaming fragment in flight is sent again by every
+        new rank with the mean of the old ranks' contributions, so its sum over the new ranks,
+        divided by their number, is the old ranks' mean: the merge it was to make."""
+        merged = super().merge_state_dicts(states, world_size)
+        if "hsgd_outer" in merged:
+            merged["hsgd_outer"]["world_size"] = world_size
+        return merged
 
 
 class HierarchicalDiLoCo(HierarchicalLocalSGD):

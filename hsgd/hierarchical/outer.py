@@ -200,7 +200,8 @@ class OuterLoop(Closable):
 
     def load_state_dict(self, state: dict) -> None:
         """The inverse of :meth:`state_dict`; contributions in flight are sent again at the next
-        step (dropped when the checkpoint is from another number of ranks). Collective."""
+        step, if the state is for this rank count (the mode's ``merge_state_dicts`` makes one
+        from another rank count's); else dropped. Collective."""
         self._drain()
         with torch.no_grad():
             for t, saved in zip(self.anchor, state["anchor"]):

@@ -28,6 +28,8 @@ SUBCOMMANDS = (
     "lars",
     "diloco",
     "faults",
+    "saves",
+    "restart",
     "model",
     "train",
     "race",

@@ -39,7 +39,7 @@ class Runs:
     ``commands``: every run's command line; ``crossed``: across emulated hosts, what each host
     sent and received over its link during the last run (``[(sent, received), ...]``, the
     whole job: start-up, training, evaluation), else ``None``; ``steps``: the last run's step
-    records."""
+    records (``records``: all of them; ``config``: its ``config.json``)."""
 
     def __init__(self, ranks: int, tmp: str, cache_dir: Optional[str] = None, extra: Sequence[str] = (),
                  warmup: int = 1, progress=None, warmup_options: Sequence[str] = (), where=None):
@@ -50,6 +50,8 @@ class Runs:
         self.commands: List[List[str]] = []
         self.crossed: Optional[List[Tuple[int, int]]] = None  # per host: (sent, received) of the last run
         self.steps: List[dict] = []
+        self.records: List[dict] = []  # every record of the last run, and its config.json
+        self.config: dict = {}
         for _ in range(warmup):
             self(*warmup_options, "--epochs", "1")
 
@@ -70,6 +72,7 @@ class Runs:
         self.commands.append(cmd)
         if self.progress is not None:
             self.progress.step(" ".join(options))
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        self.steps = [r for r in records if r["event"] == "step"]
-        return [r for r in records if r["event"] == "epoch"], seconds
+        self.records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        self.config = json.loads((run_dir / "config.json").read_text())
+        self.steps = [r for r in self.records if r["event"] == "step"]
+        return [r for r in self.records if r["event"] == "epoch"], seconds

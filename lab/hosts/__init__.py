@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence, Union
 from hsgd.bench._launcher import mpi_flavour, mpiexec
 
 from . import _net
-from ._mpi import launch_command, tcp_env, write_rsh
+from ._mpi import launch_command, launcher_options, tcp_env, write_rsh
 from ._net import HostsError, HostsUnavailable, format_rate, missing_capability, parse_rate
 
 __all__ = ["EmulatedHosts", "Host", "HostsError", "HostsUnavailable", "parse_rate", "format_rate",
@@ -109,6 +109,14 @@ class EmulatedHosts:
                              "one count >= 0 for every host (or one for all), at least one rank in all")
         launcher = launcher or mpiexec()
         return launch_command(state, self.rsh, launcher, mpi_flavour(launcher), counts, list(args))
+
+    def launcher_options(self, launcher: Optional[str] = None) -> List[str]:
+        """The options of ``launcher`` (an MPICH or Open MPI ``mpiexec``; default as in
+        :meth:`mpi_command`) that start its ranks on these hosts, to put before a host list of
+        their addresses (``-hosts A:K,...`` for MPICH, ``--host A:K,...`` for Open MPI): what
+        ``python -m hsgd.run --launcher-args`` takes."""
+        state = self._check_open()
+        return launcher_options(state, self.rsh, mpi_flavour(launcher or mpiexec()))
 
     def tcp_env(self, launcher: Optional[str] = None) -> Dict[str, str]:
         """Environment variables that keep the MPI's bytes between the hosts on TCP (add them to

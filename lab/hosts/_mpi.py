@@ -19,7 +19,7 @@ import shlex
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-__all__ = ["write_rsh", "launch_command", "tcp_env"]
+__all__ = ["write_rsh", "launch_command", "launcher_options", "tcp_env"]
 
 
 def write_rsh(state: Dict) -> str:
@@ -51,6 +51,16 @@ exec nsenter --uts="$uts" -- ip netns exec "$ns" sh -c "$*"
     return str(path)
 
 
+def launcher_options(state: Dict, rsh: str, flavour: str) -> List[str]:
+    """The options that make an ``mpiexec`` of ``flavour`` start its daemons on the emulated hosts
+    and keep its bytes on their subnet (the ones before the host list; see :func:`launch_command`)."""
+    if flavour == "openmpi":
+        subnet = state["subnet"]
+        return ["--mca", "plm_rsh_agent", rsh, "--bind-to", "none", "--mca", "oob_tcp_if_include", subnet,
+                "--mca", "btl_tcp_if_include", subnet, "--mca", "pml", "ob1", "--mca", "btl", "tcp,sm,self"]
+    return ["-launcher", "ssh", "-launcher-exec", rsh, "-iface", state["bridge"]]
+
+
 def launch_command(state: Dict, rsh: str, launcher: str, flavour: str, ranks_per_host: Sequence[int],
                    args: Sequence[str]) -> List[str]:
     """``mpiexec`` (``launcher``, an ``"mpich"`` or ``"openmpi"`` one) running ``args`` with
@@ -66,13 +76,8 @@ def launch_command(state: Dict, rsh: str, launcher: str, flavour: str, ranks_per
     hosts = ",".join(f"{h['address']}:{k}" for h, k in placed)
     total = str(sum(k for _, k in placed))
     args = [*_thread_share(int(total)), *args]
-    if flavour == "openmpi":
-        subnet = state["subnet"]
-        return [launcher, "--mca", "plm_rsh_agent", rsh, "--host", hosts, "-n", total, "--bind-to", "none",
-                "--mca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet,
-                "--mca", "pml", "ob1", "--mca", "btl", "tcp,sm,self", *args]
-    return [launcher, "-launcher", "ssh", "-launcher-exec", rsh, "-iface", state["bridge"], "-hosts", hosts,
-            "-n", total, *args]
+    where = ["--host", hosts] if flavour == "openmpi" else ["-hosts", hosts]
+    return [launcher, *launcher_options(state, rsh, flavour), *where, "-n", total, *args]
 
 
 def _thread_share(ranks: int) -> List[str]:

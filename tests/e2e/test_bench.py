@@ -10,6 +10,7 @@ repeat. Nothing here asserts on a timing. A bad option must give one
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -20,6 +21,9 @@ from hsgd.bench import SUBCOMMANDS
 from lab.bench import SUBCOMMANDS as LAB_SUBCOMMANDS
 from lab.bench.__main__ import main as lab_main
 from lab.bench._race_worker import METHODS as RACE_METHODS
+from lab.hosts import missing_capability
+
+IN_CI = os.environ.get("CI", "").strip().lower() == "true"
 
 # Where each subcommand runs: the package's own (allreduce, train), else the lab's.
 PACKAGE = {name: "hsgd.bench" if name in SUBCOMMANDS else "lab.bench" for name in LAB_SUBCOMMANDS}
@@ -66,6 +70,17 @@ SMOKE = {
     "faults": (["--ranks", "2", "--rows", "raise"],
                "| fault | injected | exit | what the job said | s to end | left behind | test |",
                lambda raw: [[r["seconds"] for r in raw]], 1),
+    "saves": (["--ranks", "1", "--every", "0", "5", "--repeats", "1", "--warmup", "0", "--skip", "2", "--width", "64",
+               "--cache-dir", "{cache}", *TRAIN],
+              "| --save-every | ms per step | vs none | saves per run | ms per save (step's gather) "
+              "| ms per save (background write) |",
+              lambda raw: [[r["step_s"] for r in raw if r["every"] == every] for every in (0, 5)], 1),
+    "restart": (["--hosts", "2", "--ranks-per-host", "1", "--probe-timeout", "2", "--cache-dir", "{cache}",
+                 "--epochs", "2", "--save-every", "5", *TRAIN],
+                "| host killed | at step | from checkpoint | detection s | old job's end s | probe s "
+                "| new job's start-up s | loading s | steps redone s | lost s | target s | met | final test acc % "
+                "| without fault % |",
+                lambda raw: [[r["lost"] for r in raw]], 1),
     "model": (["--validate", "--validate-sizes", "64", "--params", "1e3", "--nodes", "1", "4", "--ranks-per-node",
                "1", "2", "--repeats", "2", "--warmup", "0"],
               "| params | nodes | ranks/node | ranks | flat ring ms | leader ms | sharded ms | gossip ms | box ms "
@@ -119,6 +134,8 @@ def test_the_package_runs_what_a_user_measures_on_their_cluster():
 @pytest.mark.parametrize("name", list(SMOKE))
 def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, cache, capsys):
     options, header, repeated, repeats = SMOKE[name]
+    if name == "restart" and missing_capability() and not IN_CI:  # its hosts are emulated: root only
+        pytest.skip(f"emulated hosts: {missing_capability()}")
     out = tmp_path / "out.json"
     proc = bench(name, *(o.format(cache=cache) for o in options), "--json", str(out), "--progress", "lines")
     assert proc.returncode == 0, proc.stderr
@@ -148,6 +165,10 @@ def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, ca
         with pytest.raises(SystemExit):
             lab_main(["race", "--join", str(out), str(other)])
         assert "the runs differ in steps" in capsys.readouterr().err
+    if name == "restart":  # one host lost, the run restarted on the other; the parts add up to the seconds lost
+        (row,) = record["raw"]
+        parts = ("detect", "end", "probe", "startup", "load", "redo")
+        assert row["world"] == 1 and abs(sum(row[p] for p in parts) - row["lost"]) < 0.5, row
     if name == "faults":  # the row says what happened, and the job left nothing behind
         (row,) = record["raw"]
         assert row["exit"] != 0 and "a bug on rank 1" in row["said"] and row["left"] == [], row

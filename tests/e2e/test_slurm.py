@@ -380,7 +380,7 @@ def test_an_exception_on_one_rank_fails_the_job_instead_of_hanging(slurm, tmp_pa
 
 
 # At most 4 ranks on the 2-core test machines: the trainer is heavier than the probe.
-TRAIN_CASES = [("single_node", 1, 2), ("multi_node", 2, 2), ("multi_node_mpiexec", 2, 2)]
+TRAIN_CASES = [("single_node", 1, 2), ("multi_node", 2, 2), ("multi_node_mpiexec", 2, 2), ("supervised", 2, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -413,6 +413,9 @@ def test_script_trains_one_epoch(slurm, request, tmp_path, train_args, name, nod
     # hosts, its physical nodes are the hosts.
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["world_size"], config["num_nodes"], config["ranks_per_node"]) == (nodes * per_node, nodes, None)
+    if name == "supervised":  # python -m hsgd.run probed the nodes and started the ranks with srun
+        assert f"starting {nodes * per_node} ranks on {nodes} hosts: n1, n2" in output, output[-4000:]
+        assert "the job ended well" in output, output[-4000:]
 
 
 @pytest.mark.usefixtures("nodes_are_hosts")

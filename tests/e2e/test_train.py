@@ -145,8 +145,8 @@ def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, whole_runs, ext
     assert all(math.isfinite(e["train_loss"]) and e["train_loss"] > 0 for e in epochs)  # no NaN or Inf
 
 
-def test_resume_on_another_number_of_ranks_restarts_the_interrupted_epoch(tmp_path, cache):
-    """2 ranks stop mid-epoch; 1 rank resumes from the saved (averaged) model at the start of that
+def test_resume_on_another_number_of_ranks_continues_the_interrupted_epoch(tmp_path, cache):
+    """2 ranks stop mid-epoch; 1 rank resumes from the saved model at the same global batch of that
     epoch, with the step count and LR schedule of that point, and ends where an unstopped run ends."""
     run = tmp_path / "run"
     common = [*SMALL, "--model", "mlp", "--run-dir", str(run)]
@@ -363,7 +363,8 @@ def bad_inputs(tmp_path):
         ("labels", 1, ["--data", floats, "--x-key", "x", "--y-key", "y"], "label"),
         ("batch", 1, ["--data", tiny, "--x-key", "x", "--y-key", "y", "--batch-size", "64"], "larger than the 8"),
         ("unwritable", 1, ["--checkpoint-dir", str(blocker / "sub")], "--checkpoint-dir"),
-        ("odd batch", 2, ["--batch-size", "63"], "multiple of the 2 ranks"),
+        ("odd batch, gossip", 2, ["--batch-size", "63", "--sync", "gossip"],
+         "--sync gossip cannot weight unequal batches"),  # --sync sync weights 32 + 31
         ("straggler rank", 2, ["--straggler", "2:3"], "no rank 2 in a job of 2 ranks"),
         ("overlap fp16", 2, ["--overlap", "--amp", "fp16"], "--overlap averages the gradients during backward"),
     ] + ([] if torch.cuda.is_available() else

@@ -166,6 +166,42 @@ def test_a_resumed_run_ends_where_an_unstopped_one_does(comm):
     opt.close()
 
 
+def test_a_fragment_in_flight_resumed_on_fewer_ranks_merges_as_on_all(comm):
+    """Stopped after step 9 with fragment 1 in flight (as above), every rank's state merged
+    (``merge_state_dicts``) and loaded on the first ``size - 1`` ranks: its merge after step 11
+    takes the outer step on the old ranks' mean, so ``θ_g`` of fragment 1 is the unstopped run's."""
+    if comm.size < 2:
+        pytest.skip("resumes on fewer ranks: needs two or more")
+    kwargs = dict(intra_period=2, inter_period=3, fragments=2, fragment_sync_delay=2)
+
+    def build(topology=None):
+        model = mlp()
+        return model, HierarchicalDiLoCo(inner(model.parameters()), model, topology=topology, **kwargs)
+
+    model, opt = build()
+    for t in range(12):
+        local_step(model, opt, t, comm.rank)
+        if t == 9:
+            states = comm.allgather(copy.deepcopy(opt.state_dict()))
+    a, b = opt.engine.outer.groups[1]
+    unstopped = [p.detach().clone() for p in opt.engine.outer.anchor[a:b]]
+    before = [p.detach().clone() for p in states[0]["hsgd_outer"]["anchor"][a:b]]
+    opt.close()
+    fewer = comm.Split(0 if comm.rank < comm.size - 1 else MPI.UNDEFINED, comm.rank)
+    if fewer != MPI.COMM_NULL:
+        topo = Topology.from_comm(fewer)
+        model, opt = build(topo)
+        opt.load_state_dict(opt.merge_state_dicts(states, fewer.Get_size()))
+        for t in range(10, 12):
+            local_step(model, opt, t, fewer.Get_rank())
+        resumed = [p.detach().clone() for p in opt.engine.outer.anchor[a:b]]
+        opt.close()
+        topo.close()
+        fewer.Free()
+        assert_close(resumed, unstopped, 1e-12)
+        assert any((x - y).abs().max() > 1e-6 for x, y in zip(unstopped, before)), "no outer step was taken"
+
+
 def test_each_fragment_sends_its_share_of_the_bytes(comm):
     """Peak inter-node bytes per step: the whole model with one fragment, about 1/F with F."""
     topo = Topology.from_comm(comm, ranks_per_node=2)

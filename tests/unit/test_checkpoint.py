@@ -44,10 +44,13 @@ def test_the_newest_keep_checkpoints_stay(tmp_path, keep):
         [f"ckpt-{s:09d}.pt" for s in range(max(1, 8 - keep), 8)]
 
 
+# The trainer's way: the write in a background thread while the main thread goes on.
 WRITER = """
-import sys, torch
-from hsgd._trainer.checkpoint import save_checkpoint
-save_checkpoint(sys.argv[1], {"model": {"w": torch.ones(50_000_000)}, "step": 2}, 2)
+import sys, time, torch
+from hsgd._trainer.saving import CheckpointWriter
+CheckpointWriter(sys.argv[1], keep=3).submit({"model": {"w": torch.ones(50_000_000)}, "step": 2}, 2)
+while True:
+    time.sleep(0.01)  # training goes on
 """
 
 

@@ -52,7 +52,8 @@ def make_h5(path, n=257, shape=(5,), dtype=np.float32, layout="chunked", y_dtype
 
 
 def loader(path, rank=0, size=1, **kw):
-    kw.setdefault("batch_size", 8)
+    if "global_batch" not in kw:
+        kw.setdefault("batch_size", 8)
     kw.setdefault("return_indices", True)
     return ContiguousH5Loader(path, comm=FakeComm(rank, size), **kw)
 
@@ -94,8 +95,8 @@ def test_plan_segments_are_within_one_block(world):
         segs = plan.segments
         assert np.all(segs[:, 1] > segs[:, 0])
         assert np.all(segs[:, 0] // block == (segs[:, 1] - 1) // block)
-        assert len(segs) <= plan.num_samples // block + 5
-        assert np.all(np.diff(plan.window_bounds) <= 4)
+        for w in range(plan.num_windows):  # one stream range per window: range ends, rotation, short block
+            assert len(plan.window_segments(w)) <= plan.window_size(w) // block + 3
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
@@ -119,8 +120,8 @@ def test_plan_order_depends_on_seed_and_epoch_only():
 
 
 def test_plan_without_shuffle_is_file_order():
-    plan = plan_epoch(100, 2, 1, 4, 16, shuffle=False)
-    assert np.array_equal(plan.indices(), np.arange(48, 96))
+    plan = plan_epoch(100, 2, 1, 4, 16, shuffle=False)  # global batches of 8: rank 1 takes their second half
+    assert np.array_equal(plan.indices(), (np.arange(12)[:, None] * 8 + np.arange(4, 8)).reshape(-1))
 
 
 def test_plan_rejects_too_few_samples_and_says_how_many():
@@ -408,9 +409,35 @@ def test_load_state_dict_rejects_a_different_order(tmp_path):
     make_h5(tmp_path / "d.h5")
     with loader(tmp_path / "d.h5", 0, 2) as ld:
         state = ld.state_dict()
-    with loader(tmp_path / "d.h5", 0, 3) as other:
-        with pytest.raises(ValueError, match="world_size=2"):
+    with loader(tmp_path / "d.h5", 0, 3) as other:  # 8 per rank: a global batch of 24, not 16
+        with pytest.raises(ValueError, match="global_batch=16"):
             other.load_state_dict(state)
+    with loader(tmp_path / "d.h5", 0, 2, seed=1) as other:
+        with pytest.raises(ValueError, match="seed=0"):
+            other.load_state_dict(state)
+
+
+def test_a_state_saved_at_two_ranks_goes_on_at_three_with_the_rest_of_the_epoch(tmp_path):
+    """Global batches of 16: 8 + 8 at two ranks, then 6 + 5 + 5 at three; the batches after
+    the stop hold the samples the two ranks had not taken, each once."""
+    make_h5(tmp_path / "d.h5", n=257)
+    kw = dict(global_batch=16, block_size=10, window_blocks=2, seed=4)
+    before = []
+    for rank in range(2):
+        with loader(tmp_path / "d.h5", rank, 2, **kw) as ld:
+            before.append([b for _, b in zip(range(5), epoch_indices(ld))])
+            ld.set_epoch(0, position=5)
+            state = ld.state_dict()
+    assert (state["position"], state["samples"], state["world_size"]) == (5, 80, 2)
+    after = []
+    for rank in range(3):
+        with loader(tmp_path / "d.h5", rank, 3, **kw) as ld:
+            ld.load_state_dict(state)
+            assert ld.batch_shares == [6, 5, 5] and len(ld) == 16
+            after.append(epoch_indices(ld))
+    assert [len(b) for b in after] == [11, 11, 11] and [len(b[0]) for b in after] == [6, 5, 5]
+    used = np.concatenate([np.concatenate(b) for b in before + after])
+    assert len(used) == 16 * 16 == len(np.unique(used))
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
@@ -560,6 +587,7 @@ def test_missing_and_non_hdf5_files(tmp_path):
 @pytest.mark.parametrize("kw,message", [
     ({"batch_size": 0}, "batch_size"), ({"seed": -1}, "seed"), ({"block_size": 0}, "block_size"),
     ({"prefetch": -1}, "prefetch"), ({"pad": False}, "pad=False only applies"),
+    ({"global_batch": 16, "batch_size": 8}, "not both"),
 ])
 def test_bad_arguments(tmp_path, kw, message):
     make_h5(tmp_path / "d.h5")

@@ -145,6 +145,16 @@ def test_table_numbers(tmp_path):
                                       "total time: 7.5 s over 3 epochs")
 
 
+def test_restarts_of_a_supervised_run_follow_the_table(tmp_path):
+    restart = {"event": "restart", "restart": 1, "from_step": 25, "lost_hosts": ["h3"], "lost_ranks": [4, 5],
+               "hosts": ["h1", "h2"], "world_size": 4, "seconds_lost": 11.24}
+    unknown = {**restart, "restart": 2, "from_step": 40, "lost_ranks": [], "seconds_lost": None}
+    run = load_run(write_run(tmp_path, full_records() + [restart, unknown]))
+    assert summary_table(run).splitlines()[-2:] == [
+        "restart 1 at step 25: lost h3 (ranks 4, 5); 4 ranks on h1, h2; 11.2 s lost",
+        "restart 2 at step 40: lost h3; 4 ranks on h1, h2; - s lost"]
+
+
 def test_table_shows_dash_for_missing_values():
     idle = {"data": 0.0, "compute": 0.0, "intra": 0.0, "inter": 0.0}  # share undefined: 0 / 0
     record = {"event": "epoch", "epoch": 0, "train_loss": 1.0, "time": idle}

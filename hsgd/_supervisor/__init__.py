@@ -1,0 +1,1 @@
+"""``python -m hsgd.run``: the supervisor that restarts a training job on the hosts that are left."""

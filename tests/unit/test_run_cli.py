@@ -1,0 +1,130 @@
+"""python -m hsgd.run without MPI jobs: bad input gets one line and exit 2, and which ends of a job
+are restarted on which hosts (the job and the probe replaced by stand-ins)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hsgd import run
+from hsgd._supervisor.hostlist import Host
+from hsgd._supervisor.jobs import launch_command, probe_command
+from hsgd._supervisor.journal import JobRecords
+from hsgd._supervisor.supervisor import Supervisor
+
+
+def hosts_file(tmp_path, text="127.0.0.1:2\nlocalhost:2  # a comment\n\n"):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    return str(path)
+
+
+def one_error_line(capsys):
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("python -m hsgd.run: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--min-nodes", "3"], "--min-nodes 3 is more than the 2 hosts in"),
+    (["--max-restarts", "-1"], "--max-restarts must be >= 0"),
+    (["--probe-timeout", "0"], "--probe-timeout must be positive"),
+])
+def test_bad_settings_get_one_line_and_exit_2(tmp_path, capsys, monkeypatch, args, message):
+    code = run.main(["--hosts-file", hosts_file(tmp_path), *args, "--", "--run-dir", str(tmp_path / "run")])
+    assert code == 2 and message in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("127.0.0.1\nno-such-host.invalid:2\n", "unknown host 'no-such-host.invalid' in"),
+    ("127.0.0.1:0\n", "is not host or host:ranks"),
+    ("127.0.0.1\n127.0.0.1\n", "listed twice"),
+    ("# nobody\n", "names no host"),
+])
+def test_a_bad_hosts_file_gets_one_line_and_exit_2(tmp_path, capsys, text, message):
+    code = run.main(["--hosts-file", hosts_file(tmp_path, text), "--", "--run-dir", str(tmp_path / "run")])
+    assert code == 2 and message in one_error_line(capsys)
+
+
+def test_no_run_dir_no_hosts_no_file_each_get_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    assert run.main(["--hosts-file", hosts_file(tmp_path), "--", "--epochs", "1"]) == 2
+    assert "need --run-dir" in one_error_line(capsys)
+    assert run.main(["--", "--run-dir", str(tmp_path)]) == 2
+    assert "--hosts-file FILE, or --slurm" in one_error_line(capsys)
+    assert run.main(["--hosts-file", str(tmp_path / "none"), "--", "--run-dir", str(tmp_path)]) == 2
+    assert "no hosts file" in one_error_line(capsys)
+
+
+def test_the_supervisor_starts_no_torch_and_no_mpi():
+    code = "import sys, hsgd.run; sys.exit(bool({'torch', 'mpi4py.MPI'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+# --- which ends are restarted, on which hosts ------------------------------------------------
+
+A, B, C = Host("127.0.0.1", 2), Host("localhost", 2), Host("127.0.0.2", 2)
+
+
+def supervise(tmp_path, monkeypatch, jobs, answers, extra=()):
+    """Run the loop with ``jobs``, a list of (exit status, fault records) the job ends with in turn,
+    and ``answers``, the hosts that answer at each probe; returns (exit status, hosts of each
+    start, the run's records)."""
+    args = run.build_parser().parse_args(["--hosts-file", hosts_file(tmp_path, "127.0.0.1:2\nlocalhost:2\n"
+                                          "127.0.0.2:2\n"), *extra, "--", "--run-dir", str(tmp_path / "run")])
+    supervisor = Supervisor(args)
+    started, answers = [], list(answers)
+
+    def launch(hosts, first, journal, on_records):
+        started.append([h.name for h in hosts])
+        code, faults = jobs[len(started) - 1]
+        records = JobRecords()
+        for fault in faults:
+            records.take({"event": "fault", **fault})
+        return code, records, None
+    monkeypatch.setattr(supervisor, "launch", launch)
+    monkeypatch.setattr(supervisor, "answering", lambda: answers.pop(0))
+    code = supervisor.loop()
+    path = tmp_path / "run" / "metrics.jsonl"
+    return code, started, [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_lost_host_restarts_the_job_on_the_others_and_a_host_back_joins_the_next(tmp_path, monkeypatch):
+    code, started, records = supervise(tmp_path, monkeypatch, [(9, []), (1, [{"cause": "stall", "missing": [2, 3]}]),
+                                                               (0, [])],
+                                       [[A, B, C], [A, B], [A, C]])
+    assert code == 0
+    assert started == [["127.0.0.1", "localhost", "127.0.0.2"], ["127.0.0.1", "localhost"], ["127.0.0.1", "127.0.0.2"]]
+    assert [(r["lost_hosts"], r["lost_ranks"], r["world_size"]) for r in records] == [
+        (["127.0.0.2"], [], 4), (["localhost"], [2, 3], 4)]
+
+
+@pytest.mark.parametrize("job,answers,want", [
+    ((1, [{"cause": "exception", "rank": 3, "host": "h", "error": "RuntimeError: a bug"}]), [[A]], 1),
+    ((2, []), [[A]], 2),      # bad input
+    ((75, []), [[A]], 75),    # stopped by a signal, checkpointed
+    ((9, []), [[A, B, C]], 9),  # a killed process, every host answers: no host was lost
+    ((9, []), [[A]], 75),     # one host left, --min-nodes 2: a batch script requeues
+])
+def test_ends_that_are_not_restarted(tmp_path, monkeypatch, job, answers, want):
+    code, started, records = supervise(tmp_path, monkeypatch, [job], [[A, B, C], *answers], ["--min-nodes", "2"])
+    assert (code, len(started), records) == (want, 1, [])
+
+
+def test_max_restarts_ends_the_loop_with_the_jobs_status(tmp_path, monkeypatch):
+    code, started, records = supervise(tmp_path, monkeypatch, [(9, []), (9, [])], [[A, B, C], [A, B], [A]],
+                                       ["--max-restarts", "1"])
+    assert code == 9 and len(started) == 2 and len(records) == 1
+
+
+def test_each_launcher_gets_the_hosts_its_way():
+    hosts, program = [Host("a", 2), Host("b", 2)], ["python", "-m", "hsgd.train"]
+    assert launch_command("mpich", "mpiexec", ["-iface", "ib0"], hosts, program) == \
+        ["mpiexec", "-iface", "ib0", "-hosts", "a:2,b:2", "-n", "4", *program]
+    assert launch_command("openmpi", "mpirun", [], hosts, program) == \
+        ["mpirun", "--host", "a:2,b:2", "-n", "4", *program]
+    assert launch_command("srun", "srun", ["--mpi=pmi2"], hosts, program) == \
+        ["srun", "--mpi=pmi2", "--nodelist", "a,b", "--nodes", "2", "--ntasks-per-node", "2", "--ntasks", "4", *program]
+    assert probe_command("mpich", "mpiexec", [], Host("b", 2)) == ["mpiexec", "-hosts", "b:1", "-n", "1", "true"]
