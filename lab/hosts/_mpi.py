@@ -52,7 +52,7 @@ exec nsenter --uts="$uts" -- ip netns exec "$ns" sh -c "$*"
 
 
 def launch_command(state: Dict, rsh: str, launcher: str, flavour: str, ranks_per_host: Sequence[int],
-                   args: Sequence[str]) -> List[str]:
+                   args: Sequence[str], options: Sequence[str] = ()) -> List[str]:
     """``mpiexec`` (``launcher``, an ``"mpich"`` or ``"openmpi"`` one) running ``args`` with
     ``ranks_per_host[i]`` ranks on host ``i``.
 
@@ -61,18 +61,37 @@ def launch_command(state: Dict, rsh: str, launcher: str, flavour: str, ranks_per
     Open MPI (PRRTE): ``mpiexec --mca plm_rsh_agent RSH --host A1:K1,A2:K2 -n N ...``, its
     daemons' and the byte transfer layer's TCP kept on the hosts' subnet, the ``ob1``
     messaging layer over ``tcp,sm,self`` (``sm`` only between ranks that PRRTE places on one
-    host), no binding to cores (every host shares this machine's cores)."""
+    host), no binding to cores (every host shares this machine's cores).
+
+    ``options``: more launcher options, put before the program (``--with-ft ulfm``); for Open MPI an
+    ``--mca NAME VALUE`` among them replaces this function's value for ``NAME`` (``--mca btl
+    tcp,self``) instead of repeating it."""
     placed = [(h, k) for h, k in zip(state["hosts"], ranks_per_host) if k > 0]
     hosts = ",".join(f"{h['address']}:{k}" for h, k in placed)
     total = str(sum(k for _, k in placed))
     args = [*_thread_share(int(total)), *args]
     if flavour == "openmpi":
         subnet = state["subnet"]
-        return [launcher, "--mca", "plm_rsh_agent", rsh, "--host", hosts, "-n", total, "--bind-to", "none",
-                "--mca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet,
-                "--mca", "pml", "ob1", "--mca", "btl", "tcp,sm,self", *args]
+        mca = {"plm_rsh_agent": rsh, "oob_tcp_if_include": subnet, "btl_tcp_if_include": subnet, "pml": "ob1",
+               "btl": "tcp,sm,self"}
+        rest = _take_mca(options, mca)
+        return [launcher, "--host", hosts, "-n", total, "--bind-to", "none",
+                *[word for name, value in mca.items() for word in ("--mca", name, value)], *rest, *args]
     return [launcher, "-launcher", "ssh", "-launcher-exec", rsh, "-iface", state["bridge"], "-hosts", hosts,
-            "-n", total, *args]
+            "-n", total, *options, *args]
+
+
+def _take_mca(options: Sequence[str], mca: Dict[str, str]) -> List[str]:
+    """Move every ``--mca NAME VALUE`` of ``options`` into ``mca`` (replacing a default); the rest."""
+    rest, words = [], list(options)
+    while words:
+        word = words.pop(0)
+        if word == "--mca" and len(words) >= 2:
+            name, value = words.pop(0), words.pop(0)
+            mca[name] = value
+        else:
+            rest.append(word)
+    return rest
 
 
 def _thread_share(ranks: int) -> List[str]:
