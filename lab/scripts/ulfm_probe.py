@@ -245,7 +245,8 @@ def _summary(events: dict, t_fault: float, victims: list) -> dict:
         for e in evs:
             first.setdefault(e["event"], e)
         row = {"host": first["start"]["host"], "victim": rank in victims, "last": evs[-1]["event"],
-               "wrong": sum(e["event"] in ("slot_mismatch", "wrong_sum") for e in evs)}  # steps that failed a check
+               "wrong": [{k: v for k, v in e.items() if k != "t"} for e in evs  # steps that failed a check
+                         if e["event"] in ("slot_mismatch", "wrong_sum")][:3]}
         row.update({f"{n}_s": round(first[n]["t"] - t_fault, 3) for n in EVENTS if n in first and t_fault})
         for name in ("facts", "error", "failed", "shrunk", "new_window", "recovery_error", "old_window_free_error"):
             if name in first:
