@@ -8,8 +8,8 @@ results on stdout (root for ``--hosts``)::
 Every rank loops like a hierarchical step: a fence on a node window (``Win.Allocate_shared``, one
 ``Lock_all`` epoch, ``Sync``/``Barrier``/``Sync``, as ``hsgd.intra_node.SharedSlots``), then an
 ``Allreduce`` on the world. Once all loop, the driver breaks something (``--fault``). A rank that gets
-an MPI error revokes the world, shrinks it, keeps its node's window if the node lost no rank or builds
-a new one (``--node-window``), goes on, then frees or leaks the old window (``--old``). Each rank logs
+an MPI error revokes the world and its node, shrinks the world, keeps its node's window if the node lost
+no rank or builds a new one (``--node-window``), goes on, then frees or leaks the old window. Each rank logs
 its events to a file of its own (the hosts share one file system: a cut link loses none); the summary
 gives each event's seconds after the fault.
 """
