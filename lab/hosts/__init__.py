@@ -96,11 +96,13 @@ class EmulatedHosts:
 
     # --- running things on the hosts ------------------------------------------------------
     def mpi_command(self, args: Sequence[str], ranks_per_host: Union[int, Sequence[int]] = 1,
-                    launcher: Optional[str] = None) -> List[str]:
+                    launcher: Optional[str] = None, options: Sequence[str] = ()) -> List[str]:
         """The ``mpiexec`` command line that runs ``args`` (the program and its arguments) with
         ``ranks_per_host`` ranks on every host (or ``ranks_per_host[i]`` on host ``i``).
         ``launcher``: an MPICH or Open MPI ``mpiexec`` (default: the one next to this Python,
-        else PATH's). Run it with :meth:`tcp_env` in its environment."""
+        else PATH's); ``options``: more launcher options (``["--with-ft", "ulfm"]``; an Open MPI
+        ``--mca NAME VALUE`` replaces the default for ``NAME``: :func:`lab.hosts._mpi.launch_command`).
+        Run it with :meth:`tcp_env` in its environment."""
         state = self._check_open()
         counts = [ranks_per_host] * len(self.hosts) if isinstance(ranks_per_host, int) else list(ranks_per_host)
         if len(counts) != len(self.hosts) or any(isinstance(k, bool) or not isinstance(k, int) or k < 0
@@ -108,7 +110,7 @@ class EmulatedHosts:
             raise ValueError(f"invalid ranks per host {ranks_per_host!r} for {len(self.hosts)} hosts: give "
                              "one count >= 0 for every host (or one for all), at least one rank in all")
         launcher = launcher or mpiexec()
-        return launch_command(state, self.rsh, launcher, mpi_flavour(launcher), counts, list(args))
+        return launch_command(state, self.rsh, launcher, mpi_flavour(launcher), counts, list(args), options)
 
     def launcher_options(self, launcher: Optional[str] = None) -> List[str]:
         """The options of ``launcher`` (an MPICH or Open MPI ``mpiexec``; default as in

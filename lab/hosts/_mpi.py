@@ -51,18 +51,22 @@ exec nsenter --uts="$uts" -- ip netns exec "$ns" sh -c "$*"
     return str(path)
 
 
-def launcher_options(state: Dict, rsh: str, flavour: str) -> List[str]:
+def launcher_options(state: Dict, rsh: str, flavour: str, options: Sequence[str] = ()) -> List[str]:
     """The options that make an ``mpiexec`` of ``flavour`` start its daemons on the emulated hosts
-    and keep its bytes on their subnet (the ones before the host list; see :func:`launch_command`)."""
+    and keep its bytes on their subnet (the ones before the host list; see :func:`launch_command`),
+    then ``options``; an Open MPI ``--mca NAME VALUE`` among them replaces the value for NAME."""
     if flavour == "openmpi":
         subnet = state["subnet"]
-        return ["--mca", "plm_rsh_agent", rsh, "--bind-to", "none", "--mca", "oob_tcp_if_include", subnet,
-                "--mca", "btl_tcp_if_include", subnet, "--mca", "pml", "ob1", "--mca", "btl", "tcp,sm,self"]
-    return ["-launcher", "ssh", "-launcher-exec", rsh, "-iface", state["bridge"]]
+        mca = {"plm_rsh_agent": rsh, "oob_tcp_if_include": subnet, "btl_tcp_if_include": subnet, "pml": "ob1",
+               "btl": "tcp,sm,self"}
+        rest = _take_mca(options, mca)
+        return ["--bind-to", "none", *[word for name, value in mca.items() for word in ("--mca", name, value)],
+                *rest]
+    return ["-launcher", "ssh", "-launcher-exec", rsh, "-iface", state["bridge"], *options]
 
 
 def launch_command(state: Dict, rsh: str, launcher: str, flavour: str, ranks_per_host: Sequence[int],
-                   args: Sequence[str]) -> List[str]:
+                   args: Sequence[str], options: Sequence[str] = ()) -> List[str]:
     """``mpiexec`` (``launcher``, an ``"mpich"`` or ``"openmpi"`` one) running ``args`` with
     ``ranks_per_host[i]`` ranks on host ``i``.
 
@@ -71,13 +75,30 @@ def launch_command(state: Dict, rsh: str, launcher: str, flavour: str, ranks_per
     Open MPI (PRRTE): ``mpiexec --mca plm_rsh_agent RSH --host A1:K1,A2:K2 -n N ...``, its
     daemons' and the byte transfer layer's TCP kept on the hosts' subnet, the ``ob1``
     messaging layer over ``tcp,sm,self`` (``sm`` only between ranks that PRRTE places on one
-    host), no binding to cores (every host shares this machine's cores)."""
+    host), no binding to cores (every host shares this machine's cores).
+
+    ``options``: more launcher options, put before the program (``--with-ft ulfm``); for Open MPI an
+    ``--mca NAME VALUE`` among them replaces this function's value for ``NAME`` (``--mca btl
+    tcp,self``) instead of repeating it."""
     placed = [(h, k) for h, k in zip(state["hosts"], ranks_per_host) if k > 0]
     hosts = ",".join(f"{h['address']}:{k}" for h, k in placed)
     total = str(sum(k for _, k in placed))
     args = [*_thread_share(int(total)), *args]
     where = ["--host", hosts] if flavour == "openmpi" else ["-hosts", hosts]
-    return [launcher, *launcher_options(state, rsh, flavour), *where, "-n", total, *args]
+    return [launcher, *launcher_options(state, rsh, flavour, options), *where, "-n", total, *args]
+
+
+def _take_mca(options: Sequence[str], mca: Dict[str, str]) -> List[str]:
+    """Move every ``--mca NAME VALUE`` of ``options`` into ``mca`` (replacing a default); the rest."""
+    rest, words = [], list(options)
+    while words:
+        word = words.pop(0)
+        if word == "--mca" and len(words) >= 2:
+            name, value = words.pop(0), words.pop(0)
+            mca[name] = value
+        else:
+            rest.append(word)
+    return rest
 
 
 def _thread_share(ranks: int) -> List[str]:
