@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # importing mpi4py.MPI initializes MPI: not at import time
 
 __all__ = ["Codec", "Channel", "Part", "Step", "CodecChoice", "entry_ranges", "Gathered", "sum_steps"]
 
-#: A step of a sum across nodes: ``fn() -> (request, finish or None)``, started once the step
-#: before it completed; ``finish()`` runs once its request completed.
+#: One step in a sum across nodes, ``fn() -> (request, finish or None)``, started once the
+#: step before it completed; ``finish()`` runs once its request completed.
 Step = Callable[[], Tuple["MPI.Request", Optional[Callable[[], None]]]]
 
 
