@@ -28,8 +28,8 @@ from .powersgd import PowerSGD
 __all__ = ["COMPRESSIONS", "Compression", "Codec", "Channel", "Part", "Half", "Int8", "PowerSGD", "codec_of",
            "CodecChoice", "DEFAULT_POWERSGD_RANK"]
 
-#: The compressions by name, as a type: what ``compression`` takes besides a codec object
-#: (``None`` is ``"none"``).
+#: The compressions by name, as a type (what ``compression`` takes besides a codec object;
+#: ``None`` is ``"none"``).
 Compression = Literal["none", "fp16", "bf16", "int8", "powersgd"]
 COMPRESSIONS: Tuple[str, ...] = get_args(Compression)  # the same names, for checks and --compression's choices
 DEFAULT_POWERSGD_RANK = PowerSGD.rank  # compression="powersgd"'s rank unless told (--powersgd-rank)

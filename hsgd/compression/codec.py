@@ -1,7 +1,7 @@
 """The codec interface: what a compression of the node sums across nodes is made of.
 
 A :class:`Codec` is a compression's settings, immutable (one object may serve several
-modes); :meth:`Codec.open` makes its :class:`Channel`, the running state on one rank that
+modes); :meth:`~hsgd.compression.Codec.open` makes its :class:`Channel`, the running state on one rank that
 takes part in the sums across nodes (a node leader, or every rank with
 ``inter_node="sharded"``). The level-2 strategy hands the channel one :class:`Part` at a
 time, the span of the node sums this rank sums across nodes; the channel returns the
@@ -9,7 +9,7 @@ non-blocking steps of that sum (:class:`hsgd.inter_node.Pending` runs them one a
 another) and the bytes it sends. Invariants: every rank of ``comm`` sums the same parts in
 the same order; the sums end the same, to the bit, on every rank; error feedback stays
 with the rank that computed the node's message, as one state per node, and a round whose
-sums are not finite leaves it as it was (:meth:`Channel.settle`).
+sums are not finite leaves it as it was (:meth:`~hsgd.compression.Channel.settle`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # importing mpi4py.MPI initializes MPI: not at import time
 
 __all__ = ["Codec", "Channel", "Part", "Step", "CodecChoice", "entry_ranges", "Gathered", "sum_steps"]
 
-#: A step of a sum across nodes: ``fn() -> (request, finish or None)``, started once the step
-#: before it completed; ``finish()`` runs once its request completed.
+#: One step in a sum across nodes, ``fn() -> (request, finish or None)``, started once the
+#: step before it completed; ``finish()`` runs once its request completed.
 Step = Callable[[], Tuple["MPI.Request", Optional[Callable[[], None]]]]
 
 

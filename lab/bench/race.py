@@ -55,13 +55,15 @@ def add_arguments(p) -> None:
                    "(hsgd.train's default)")
     p.add_argument("--port", dest="_port", type=int, default=0, help=argparse.SUPPRESS)  # gloo's, set by run()
     p.add_argument("--join", nargs="+", type=Path, default=None, metavar="JSON",
-                   help="run nothing: one table of the rows in earlier runs' --json files, run with the same "
-                        "settings but --methods and --repeats (a grid split over several runs)")
+                   help="run nothing: one table of the rows (of --methods) in earlier runs' --json files, run "
+                        "with the same settings but --methods and --repeats (a grid split over several runs)")
     add_hosts_options(p)
 
 
-# what may differ between the runs that --join puts in one table
+# what may differ between the runs that --join puts in one table; PowerSGD's settings may differ
+# between runs that contribute no PowerSGD row
 _PER_RUN = ("methods", "repeats", "json", "progress", "join", "_port", "_master")
+_POWERSGD = (("powersgd_rank", "start_step"), ("hsgd powersgd", "DDP powerSGD hook"))
 
 
 def check(args, extra, parser) -> None:
@@ -78,13 +80,20 @@ def check(args, extra, parser) -> None:
                 parser.error(f"argument --join: {path}: {exc}")
             if records[-1].get("subcommand") != "race":
                 parser.error(f"argument --join: {path} is not the --json of a race")
-        settings = [{k: v for k, v in r["settings"].items() if k not in _PER_RUN} for r in records]
-        differ = sorted(k for k in settings[0] if any(s.get(k) != settings[0][k] for s in settings[1:]))
+        for r in records:  # the rows of --methods (default: all)
+            r["raw"] = [row for row in r["raw"] if row["method"] in args.methods]
+        settings = [{k: v for k, v in r["settings"].items() if k not in _PER_RUN
+                     and (k not in _POWERSGD[0] or any(row["method"] in _POWERSGD[1] for row in r["raw"]))}
+                    for r in records]
+        every = {k: v for s in settings for k, v in s.items()}
+        differ = sorted(k for k in every if any(s.get(k, every[k]) != every[k] for s in settings))
         if differ:
             parser.error(f"argument --join: the runs differ in {', '.join(differ)}: join runs of the same settings")
-        vars(args).update(settings[0])
+        vars(args).update(every)
         args.rows = [row for r in records for row in r["raw"]]
         args.methods = [m for m in METHODS if any(row["method"] == m for row in args.rows)]
+        if not args.rows:
+            parser.error("argument --join: the files hold no row of --methods")
 
 
 def run(args, extra) -> Result:
