@@ -16,9 +16,18 @@ import torch
 
 from .process_sets import global_process_set
 from .runtime import Average, Sum, rank
-from .tensor_ops import (allgather_async, allreduce_async, alltoall_async, average_op, broadcast_async,
-                         grouped_allgather_async, grouped_allreduce_async, grouped_reducescatter_async,
-                         reducescatter_async, synchronize)
+from .tensor_ops import (
+    allgather_async,
+    allreduce_async,
+    alltoall_async,
+    average_op,
+    broadcast_async,
+    grouped_allgather_async,
+    grouped_allreduce_async,
+    grouped_reducescatter_async,
+    reducescatter_async,
+    synchronize,
+)
 
 __all__ = ["Compression", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
            "alltoall", "reducescatter", "grouped_reducescatter"]

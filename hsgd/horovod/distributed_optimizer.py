@@ -36,7 +36,7 @@ __all__ = ["DistributedOptimizer"]
 _STEP_WARNING = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                  "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
                  "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
-_indices: "weakref.WeakKeyDictionary[Matcher, Iterator[int]]" = weakref.WeakKeyDictionary()
+_indices: weakref.WeakKeyDictionary[Matcher, Iterator[int]] = weakref.WeakKeyDictionary()
 
 
 def _named(optimizer: torch.optim.Optimizer, named_parameters) -> List[Tuple[str, torch.Tensor]]:

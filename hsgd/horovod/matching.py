@@ -74,7 +74,7 @@ class Matcher:
         self._pending: Dict[Key, Entry] = {}
         self._running: List[Transfer] = []
         self._sends: List[Any] = []
-        self._unnamed = 0
+        self._unnamed, self._epoch = 0, 0
         self._closing = False
         self.steps: Dict[str, Callable[[], None]] = {}  # step token name -> what a joined rank runs
         # the coordinator's state (rank 0)
@@ -86,9 +86,10 @@ class Matcher:
     # --- this rank's side -----------------------------------------------------------------
     def auto_name(self) -> str:
         """The name of the next unnamed operation: a counter, so unnamed operations must be
-        issued in the same order on every rank."""
+        issued in the same order on every rank. It restarts, in a new epoch, after each
+        ``join()``: a rank that joined skipped the others' unnamed operations."""
         self._unnamed += 1
-        return f"noname.{self._unnamed}"
+        return f"noname.{self._epoch}.{self._unnamed}"
 
     def submit(self, submission: Submission, entry: Entry) -> Entry:
         """Hand ``submission`` to the coordinator; ``entry`` gets its result. Raises
@@ -150,6 +151,8 @@ class Matcher:
         elif kind in ("join", "object_gather", "object_bcast"):
             if entry is not None:
                 entry.finish(payload)
+            if kind == "join":  # every member is here: the unnamed counters restart together
+                self._unnamed, self._epoch = 0, self._epoch + 1
         elif kind == "step":
             if entry is not None:
                 entry.finish(None)

@@ -24,7 +24,7 @@ from ..collectives import HALF, INTEGER
 from ..errors import InputError, InputTypeError, InputValueError
 from .matching import Entry, Matcher, Submission
 from .process_sets import ProcessSet, global_process_set, matcher_of, matchers
-from .runtime import OP_NAMES, Adasum, Average, HorovodInternalError, Max, Min, Product, Sum, world
+from .runtime import OP_NAMES, Adasum, Average, HorovodInternalError, Product, Sum, world
 
 __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async",
@@ -35,7 +35,7 @@ __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "gr
 _DTYPES = (torch.float32, torch.float64, torch.bool, *HALF, *INTEGER)
 _handles: Dict[int, Tuple[Entry, Callable[[Any], Any]]] = {}
 _counter = itertools.count(1)
-_overlapping: "weakref.WeakSet[Any]" = weakref.WeakSet()  # DistributedOptimizers with overlap=True
+_overlapping: weakref.WeakSet[Any] = weakref.WeakSet()  # DistributedOptimizers with overlap=True
 
 
 def average_op(op: Optional[int], average: Optional[bool]) -> int:
