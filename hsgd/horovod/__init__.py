@@ -4,7 +4,7 @@
 ``hvd.DistributedOptimizer`` averages with :class:`~hsgd.HierarchicalSGD` (shared memory in a
 node, MPI across nodes); the collectives (``allreduce``, ``allgather``, ``broadcast``,
 ``alltoall``, ``reducescatter``, their ``_``, ``_async`` and grouped forms, ``barrier``,
-``join``) run over MPI, matched by name across ranks (:mod:`hsgd.horovod.matching`), with
+``join``) run over MPI, matched by name across ranks (``hsgd.horovod.matching``), with
 Horovod's semantics: mismatched tensors raise :class:`HorovodInternalError` on every rank.
 What Horovod has and this does not (Adasum, ``SyncBatchNorm``, the timeline, elastic)
 raises ``NotImplementedError`` saying what to use instead. docs/from-horovod.md has the

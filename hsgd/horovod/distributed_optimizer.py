@@ -49,7 +49,8 @@ def _named(optimizer: torch.optim.Optimizer, named_parameters) -> List[Tuple[str
     if any(not isinstance(p, tuple) for p in named):
         raise InputValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
                               "produced by model.named_parameters().")
-    seen, dups = set(), set()
+    seen: set = set()
+    dups: set = set()
     for name, _ in named:
         (dups if name in seen else seen).add(name)
     if dups:
@@ -159,17 +160,17 @@ class _HorovodSGD(HierarchicalSGD):
             wait(entry)
             if entry.error is not None:
                 raise HorovodInternalError(entry.error)
-        sparse = [(p, p.grad.sparse_dim()) for p in self._params if p.grad is not None and p.grad.is_sparse]
-        for p, _ in sparse:
-            p.grad = p.grad.to_dense()
+        sparse = [(p, g) for p in self._params if (g := p.grad) is not None and g.is_sparse]
+        for p, g in sparse:
+            p.grad = g.to_dense()
         super().synchronize()
         with torch.no_grad():
             for p in self._params if self._predivide != 1.0 else ():
                 if p.grad is not None:
                     p.grad.mul_(self._predivide)
-            for p, dims in sparse:
+            for p, g in sparse:
                 if p.grad is not None:
-                    p.grad = p.grad.to_sparse(dims)
+                    p.grad = p.grad.to_sparse(g.sparse_dim())
 
     def _joined_average(self) -> None:
         """On a rank in ``hvd.join()``: the others' average, with zero gradients from this rank."""
@@ -178,7 +179,7 @@ class _HorovodSGD(HierarchicalSGD):
         HierarchicalSGD.synchronize(self)
         self._synchronized = False
 
-    def step(self, closure=None):  # type: ignore[override]  # torch's overloads, as SyncMode.step
+    def step(self, closure=None):  # torch's overloads, as SyncMode.step
         """Average (unless :meth:`synchronize` or backward did), then the inner step; warns as
         Horovod does after ``synchronize()`` outside ``skip_synchronize()``."""
         if self._synchronized and not self._skip:
@@ -212,7 +213,7 @@ class _LocalOptimizer(InnerOptimizer):
         """A block in which ``step()`` does not synchronize (it never does here)."""
         yield
 
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure=None):
         """The inner optimizer's step."""
         self.num_steps += 1
         return self.optimizer.step(closure)

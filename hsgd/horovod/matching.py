@@ -52,7 +52,9 @@ class Entry:
 
     def __init__(self, kind: str, tensors=(), outputs=(), **params: Any):
         self.kind, self.tensors, self.outputs, self.params = kind, list(tensors), list(outputs), params
-        self.done, self.result, self.error = False, None, None
+        self.done = False
+        self.result: Any = None
+        self.error: Optional[str] = None
 
     def finish(self, result: Any) -> None:
         self.done, self.result = True, result
@@ -123,7 +125,7 @@ class Matcher:
         moved = False
         if self.rank == 0:
             moved = self._drain(_REQUEST, self._arrive) | self._match()
-        moved |= self._drain(_RESPONSE, lambda _, batch: [self._respond(r) for r in batch])
+        moved |= self._drain(_RESPONSE, self._respond_all)
         running = [t for t in self._running if not t.test()]
         moved |= len(running) != len(self._running)
         self._running = running
@@ -140,6 +142,10 @@ class Matcher:
                 return moved
             handle(status.Get_source(), message.recv())
             moved = True
+
+    def _respond_all(self, _source: int, batch: List[Tuple[str, str, str, Any]]) -> None:
+        for response in batch:
+            self._respond(response)
 
     def _respond(self, response: Tuple[str, str, str, Any]) -> None:
         """Act on one response from the coordinator (every rank, in the coordinator's order)."""

@@ -85,13 +85,14 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     """``root_rank``'s ``obj`` (picklable) on every rank of ``process_set``. As in Horovod, the
     operations are named after ``name``, by default the type of ``obj``: pass objects of one
     type on every rank (a dict on the root, ``{}`` elsewhere), or a ``name``."""
-    comm = MatchedComm(process_set, type(obj).__name__ if name is None else name)
+    comm: Any = MatchedComm(process_set, type(obj).__name__ if name is None else name)  # an mpi4py comm's part
     return _broadcast_object(obj, _set_root(root_rank, process_set, comm), comm)
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> List[Any]:
     """Every rank's ``obj`` (picklable), as a list in set order (named as :func:`broadcast_object`)."""
-    return _allgather_object(obj, MatchedComm(process_set, type(obj).__name__ if name is None else name))
+    comm: Any = MatchedComm(process_set, type(obj).__name__ if name is None else name)
+    return _allgather_object(obj, comm)
 
 
 def _pairs(params: Any) -> Any:
@@ -106,7 +107,7 @@ def _pairs(params: Any) -> Any:
 def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet = global_process_set) -> None:
     """Copy ``params`` (``model.state_dict()``, or a list such as ``list(model.named_parameters())``)
     from ``root_rank`` to every rank, in place."""
-    comm = MatchedComm(process_set, "broadcast_parameters")
+    comm: Any = MatchedComm(process_set, "broadcast_parameters")
     _broadcast_parameters(_pairs(params), comm, _set_root(root_rank, process_set, comm))
 
 
@@ -116,5 +117,5 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     not needed)."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise InputValueError("cannot broadcast torch.optim.LBFGS state")
-    comm = MatchedComm(process_set, "broadcast_optimizer_state")
+    comm: Any = MatchedComm(process_set, "broadcast_optimizer_state")
     _broadcast_optimizer_state(optimizer, comm, _set_root(root_rank, process_set, comm))
