@@ -38,8 +38,8 @@ __all__ = ["rank", "size", "local_rank", "local_size", "barrier", "allreduce", "
 OPS = ("mean", "sum", "min", "max")
 #: The reductions, as a type: what ``op`` takes.
 ReduceOp = Literal["mean", "sum", "min", "max"]
-_HALF = (torch.float16, torch.bfloat16)
-_INTEGER = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+HALF = (torch.float16, torch.bfloat16)
+INTEGER = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _world_topology: Optional[Topology] = None
 
 
@@ -115,15 +115,16 @@ def _negotiate(comm, what: str, error: Optional[InputError], meta) -> None:
                                    f"arguments: {diff}; every rank must pass the same")
 
 
-def _check_tensor(what: str, tensor) -> None:
+def check_tensor(what: str, tensor) -> None:
+    """Raise :class:`~hsgd.errors.InputTypeError` unless ``tensor`` is a tensor MPI can move."""
     if not isinstance(tensor, torch.Tensor):
         raise InputTypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.is_complex() or tensor.dtype not in (torch.float32, torch.float64, torch.bool, *_HALF, *_INTEGER):
+    if tensor.is_complex() or tensor.dtype not in (torch.float32, torch.float64, torch.bool, *HALF, *INTEGER):
         raise InputTypeError(f"unsupported dtype {tensor.dtype}; use a floating-point, integer or bool tensor")
 
 
 def _check_reduction(tensor, op) -> None:
-    _check_tensor("allreduce", tensor)
+    check_tensor("allreduce", tensor)
     if op not in OPS:
         raise InputValueError(f"unknown op {op!r}; use one of {', '.join(map(repr, OPS))}")
     if op == "mean" and not tensor.is_floating_point():
@@ -145,9 +146,10 @@ def _tensor_meta(tensor, *extra):
     return (*extra, ("shape", tuple(tensor.shape)), ("dtype", str(tensor.dtype).replace("torch.", "")))
 
 
-def _numpy(host: torch.Tensor):
-    """A numpy view of a contiguous CPU tensor that MPI can move (half and bool types as bits)."""
-    if host.dtype in _HALF:
+def mpi_buffer(host: torch.Tensor):
+    """A numpy view of a contiguous CPU tensor that MPI can move (half and bool types as bits;
+    shared with :mod:`hsgd.horovod`)."""
+    if host.dtype in HALF:
         return host.view(torch.int16).numpy()
     if host.dtype == torch.bool:
         return host.view(torch.uint8).numpy()
@@ -159,11 +161,11 @@ def _reduced(tensor: torch.Tensor, op: str, comm) -> torch.Tensor:
     """The reduction over ``comm``, as a new contiguous CPU tensor (float32 for half types)."""
     from mpi4py import MPI
 
-    work = torch.float32 if tensor.dtype in _HALF else tensor.dtype
+    work = torch.float32 if tensor.dtype in HALF else tensor.dtype
     host = tensor.detach().to("cpu", work, copy=True).contiguous()
     if host.numel() and comm.Get_size() > 1:
         mpi_op = {"mean": MPI.SUM, "sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}[op]
-        comm.Allreduce(MPI.IN_PLACE, _numpy(host), op=mpi_op)
+        comm.Allreduce(MPI.IN_PLACE, mpi_buffer(host), op=mpi_op)
     if op == "mean":
         host.div_(comm.Get_size())
     return host
@@ -202,7 +204,7 @@ def allgather(tensor: torch.Tensor, comm: Optional[MPI.Comm] = None) -> torch.Te
     match. A 0-dimensional tensor counts as one row. Collective.
     """
     comm = _comm(comm)
-    _, error = attempt(_check_tensor, "allgather", tensor)
+    _, error = attempt(check_tensor, "allgather", tensor)
     tensor = tensor if error or tensor.dim() else tensor.reshape(1)
     meta = () if error else (("row shape", tuple(tensor.shape[1:])), ("dtype", str(tensor.dtype)))
     _negotiate(comm, "allgather", error, meta)
@@ -211,7 +213,7 @@ def allgather(tensor: torch.Tensor, comm: Optional[MPI.Comm] = None) -> torch.Te
     out = torch.empty((sum(counts), *host.shape[1:]), dtype=host.dtype)
     per_row = math.prod(host.shape[1:])
     if out.numel():
-        comm.Allgatherv(_numpy(host), [_numpy(out), [c * per_row for c in counts]])
+        comm.Allgatherv(mpi_buffer(host), [mpi_buffer(out), [c * per_row for c in counts]])
     return out.to(tensor.device)
 
 
@@ -228,7 +230,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int = 0, comm: Optional[MPI.Comm
     from .replicas import broadcast_tensor_
 
     comm = _comm(comm)
-    _, error = attempt(_check_tensor, _what, tensor)
+    _, error = attempt(check_tensor, _what, tensor)
     error = error or attempt(_check_root, root_rank, comm)[1]
     _negotiate(comm, _what, error, _tensor_meta(tensor, ("root_rank", root_rank)))
     with torch.no_grad():

@@ -255,6 +255,7 @@ class SlotBinding:
         with torch.no_grad():
             for p, view, zc in zip(self.params, self.views, self.zero_copy):
                 cur = self._current(p)
-                if zc and cur is not None and cur.data_ptr() == view.data_ptr():
+                # a sparse gradient (hsgd.horovod hands averaged sparse gradients back sparse) is not the view
+                if zc and cur is not None and cur.layout == torch.strided and cur.data_ptr() == view.data_ptr():
                     self._attach(p, view.clone())
         self.views = []

@@ -97,6 +97,12 @@ def _methods(workload, batches, comm, topologies, period, local: bool, skipped: 
     for name, view in (("DDP", False), ("DDP bucket view", True)):
         made[name] = _Method(workload, batches, plain, model_wrap=lambda m, view=view: DistributedDataParallel(
             m, gradient_as_bucket_view=view))
+    import hsgd.horovod as hsgd_horovod
+
+    hsgd_horovod.init()
+    for name, overlap in (("hsgd.horovod", False), ("hsgd.horovod overlap", True)):
+        made[name] = _Method(workload, batches, lambda o, m, overlap=overlap: _horovod_optimizer(
+            hsgd_horovod, o, m, overlap=overlap))
     horovod = _horovod(skipped)
     if horovod is not None:
         made["Horovod"] = _Method(workload, batches, lambda o, m: _horovod_optimizer(horovod, o, m))
@@ -127,9 +133,11 @@ def _horovod(skipped: list):
     return hvd
 
 
-def _horovod_optimizer(hvd, inner, model):
+def _horovod_optimizer(hvd, inner, model, **hsgd_only):
+    """Horovod's lines of a training script, with ``hvd`` Horovod's or hsgd's (``hsgd.horovod``,
+    whose ``overlap=`` is passed in ``hsgd_only``)."""
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+    return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), **hsgd_only)
 
 
 def _batches(count, per_rank, rank, workload):

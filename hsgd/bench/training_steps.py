@@ -7,10 +7,10 @@ One command (it launches ``mpiexec`` itself, one job per rank count)::
 
 In each job, for each workload (``mlp``, ``cnn``, ``deep``, ``mlp2m``), every method
 trains its own copy of the same model on the same synthetic batches with the same
-optimizer: hsgd's synchronous and local-SGD modes beside DDP, torch's model averagers
-and Horovod (when it imports). Medians over ``--repeats`` of the slowest rank's time per
-step, with the methods' order rotating between repeats (what each column is:
-docs/benchmark-methods.md). Each job runs on this host (gloo meets on 127.0.0.1); across
+optimizer: hsgd's synchronous and local-SGD modes beside DDP, torch's model averagers,
+``hsgd.horovod``'s DistributedOptimizer and Horovod (when it imports). Medians over
+``--repeats`` of the slowest rank's time per step, with the methods' order rotating between
+repeats (what each column is: docs/benchmark-methods.md). Each job runs on this host (gloo meets on 127.0.0.1); across
 emulated hosts, with the wire limit: ``python -m lab.bench train --hosts 2`` from a clone.
 """
 
@@ -26,7 +26,7 @@ from ._train_worker import worker  # noqa: F401 (what every rank runs)
 WORKLOADS = ("mlp", "cnn", "deep", "mlp2m")
 DEFAULT_WORKLOADS = ("mlp", "cnn")
 SYNC = ("no comm", "hsgd", "hsgd overlap", "hsgd leader 2n", "hsgd sharded 2n", "hsgd overlap sharded 2n",
-        "DDP", "DDP bucket view", "Horovod")
+        "DDP", "DDP bucket view", "hsgd.horovod", "hsgd.horovod overlap", "Horovod")
 LOCAL = ("hsgd local", "torch periodic", "hsgd local 2n", "torch hierarchical")
 
 
@@ -77,17 +77,19 @@ def tables(rows, args):
             continue
         step = {id(r): {k: (median(v) / args.steps if v else None) for k, v in r["times"].items()} for r in mine}
         sync = Table(["ranks", "batch/rank", *SYNC, "hsgd samples/s", "DDP/hsgd", "DDP bucket view/hsgd",
-                      "hsgd/hsgd overlap"],
+                      "hsgd/hsgd overlap", "hsgd.horovod/hsgd", "hsgd.horovod overlap/hsgd overlap"],
                      title=f"{workload}, synchronous SGD: {title}",
                      notes=["DDP/hsgd: DDP's time per step over hsgd's (one node), i.e. hsgd's samples/s "
-                            "over DDP's; hsgd/hsgd overlap: the gain of overlap=True (above 1: faster)",
-                            *skipped])
+                            "over DDP's; hsgd/hsgd overlap: the gain of overlap=True (above 1: faster); "
+                            "hsgd.horovod/hsgd: hvd.DistributedOptimizer (import hsgd.horovod as hvd) over "
+                            "HierarchicalSGD, with the same overlap (1.00x: no cost)", *skipped])
         for r in mine:
             t = step[id(r)]
             rate = r["ranks"] * r["batch"] / t["hsgd"]
             sync.rows.append([r["ranks"], r["batch"], *(_ms(t.get(m)) for m in SYNC), f"{rate:.0f}",
                               _ratio(t.get("DDP"), t["hsgd"]), _ratio(t.get("DDP bucket view"), t["hsgd"]),
-                              _ratio(t["hsgd"], t.get("hsgd overlap"))])
+                              _ratio(t["hsgd"], t.get("hsgd overlap")), _ratio(t.get("hsgd.horovod"), t["hsgd"]),
+                              _ratio(t.get("hsgd.horovod overlap"), t.get("hsgd overlap"))])
         tables.append(sync)
         if args.local:
             local = Table(["ranks", *LOCAL, "torch/hsgd", "torch/hsgd 2n"],
