@@ -95,8 +95,9 @@ SMOKE = {
     "train": (["--ranks", "2", "--workloads", "cnn", "--steps", "1", "--repeats", "2", "--warmup", "0",
                "--cnn-batch", "8"],
               "| ranks | batch/rank | no comm | hsgd | hsgd overlap | hsgd leader 2n | hsgd sharded 2n "
-              "| hsgd overlap sharded 2n | DDP | DDP bucket view | Horovod | hsgd samples/s | DDP/hsgd "
-              "| DDP bucket view/hsgd | hsgd/hsgd overlap |",
+              "| hsgd overlap sharded 2n | DDP | DDP bucket view | hsgd.horovod | hsgd.horovod overlap | Horovod "
+              "| hsgd samples/s | DDP/hsgd | DDP bucket view/hsgd | hsgd/hsgd overlap | hsgd.horovod/hsgd "
+              "| hsgd.horovod overlap/hsgd overlap |",
               lambda raw: [*raw[0]["times"].values(), raw[0]["average"]], 2),
 }
 
@@ -175,7 +176,7 @@ def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, ca
     if name == "train":  # every method ran, side by side in one job
         (row,) = record["raw"]
         want = {"no comm", "hsgd", "hsgd overlap", "hsgd leader 2n", "hsgd sharded 2n", "hsgd overlap sharded 2n",
-                "DDP", "DDP bucket view", "hsgd local",
+                "DDP", "DDP bucket view", "hsgd.horovod", "hsgd.horovod overlap", "hsgd local",
                 "torch periodic", "hsgd local 2n", "torch hierarchical"}
         assert want <= set(row["times"]), row["times"].keys()
         assert ("Horovod" in row["times"]) != any("Horovod: skipped" in n for n in row["skipped"]), row["skipped"]
