@@ -12,7 +12,7 @@ toward zero), half types in float32, the rest in their own dtype. A rank that ca
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -25,10 +25,13 @@ _CODES = {name: code for code, name in OP_NAMES.items()}  # a response names its
 
 
 class Transfer:
-    """MPI requests in flight and what to do once they completed."""
+    """MPI requests in flight and what to do once they completed. ``buffers``: every tensor the
+    requests read or write, held here until they complete (the requests do not hold them: a
+    send buffer freed early is memory MPI reads later, which Open MPI's non-blocking
+    collectives did)."""
 
-    def __init__(self, requests: List[Any], done: Callable[[], None]):
-        self.requests, self.done = requests, done
+    def __init__(self, requests: List[Any], done: Callable[[], None], buffers: Sequence[torch.Tensor] = ()):
+        self.requests, self.done, self.buffers = requests, done, list(buffers)
 
     def test(self) -> bool:
         """Whether it completed (then :attr:`done` ran)."""
@@ -37,6 +40,7 @@ class Transfer:
         if self.requests and not MPI.Request.Testall(self.requests):
             return False
         self.done()
+        self.buffers = []
         return True
 
 
@@ -113,26 +117,28 @@ def _allreduce(comm, entry, payload: Dict[str, Any], rank: int) -> Transfer:
     def done() -> None:
         if entry is not None:
             _finish(entry, [scaled(b.to(t.dtype), factor) for b, t in zip(bufs, entry.tensors)])
-    return Transfer(requests, done)
+    return Transfer(requests, done, bufs)
 
 
 def _allgather(comm, entry, payload, rank: int) -> Transfer:
     dims = payload["extras"]  # per rank: the first dimension of each tensor
-    outs, requests = [], []
+    hosts, outs, requests = [], [], []
     for i, t in enumerate(entry.tensors):
         host = t.detach().to("cpu").contiguous()
+        hosts.append(host)
         row = math.prod(host.shape[1:])
         out = torch.empty((sum(d[i] for d in dims), *host.shape[1:]), dtype=host.dtype)
         requests.append(comm.Iallgatherv(mpi_buffer(host), [mpi_buffer(out), [d[i] * row for d in dims]]))
         outs.append(out)
-    return Transfer(requests, lambda: entry.finish([o.to(t.device) for o, t in zip(outs, entry.tensors)]))
+    return Transfer(requests, lambda: entry.finish([o.to(t.device) for o, t in zip(outs, entry.tensors)]),
+                    [*hosts, *outs])
 
 
 def _broadcast(comm, entry, payload, rank: int) -> Transfer:
     bufs = [_host(t) for t in entry.tensors]
     root = payload["match"]["root"]
     requests = [comm.Ibcast(mpi_buffer(b), root=root) for b in bufs if b.numel()]
-    return Transfer(requests, lambda: _finish(entry, bufs))
+    return Transfer(requests, lambda: _finish(entry, bufs), bufs)
 
 
 def _alltoall(comm, entry, payload, rank: int) -> Transfer:
@@ -147,7 +153,7 @@ def _alltoall(comm, entry, payload, rank: int) -> Transfer:
 
     def done() -> None:
         entry.finish((out.to(t.device), torch.tensor(received, dtype=torch.int32)))
-    return Transfer([request], done)
+    return Transfer([request], done, [host, out])
 
 
 def _reducescatter(comm, entry, payload, rank: int) -> Transfer:
@@ -160,13 +166,13 @@ def _reducescatter(comm, entry, payload, rank: int) -> Transfer:
         counts = [reduced_rows(work.shape[0], size, r) * row for r in range(size)]
         out = torch.empty((reduced_rows(work.shape[0], size, rank), *work.shape[1:]), dtype=work.dtype)
         requests.append(comm.Ireduce_scatter(mpi_buffer(work), mpi_buffer(out), counts, op=_mpi_op(op)))
-        sends.append(work)  # alive until the request completes
+        sends.append(work)
         outs.append(out)
     factor = post / size if op == Average else post
 
     def done() -> None:
         entry.finish([scaled(o.to(t.dtype), factor).to(t.device) for o, t in zip(outs, entry.tensors)])
-    return Transfer(requests, done)
+    return Transfer(requests, done, [*sends, *outs])
 
 
 def _barrier(comm, entry, payload, rank: int) -> Transfer:
