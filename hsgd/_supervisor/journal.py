@@ -1,6 +1,7 @@
 """The run directory's ``metrics.jsonl`` as the supervisor follows it.
 
-The trainer's rank 0 appends its records (``start``, ``step``, ``checkpoint``, ``epoch``);
+The trainer's rank 0 appends its records (``start``, ``step``, ``checkpoint``, ``epoch``,
+``end`` when the run ends or stops);
 any rank that ends the job appends a ``fault`` record saying why (an uncaught exception,
 a stall abort: :func:`hsgd.faults.record_faults_to`); the supervisor appends a ``restart``
 record per restart. Every writer appends whole lines with one ``write`` to a file opened
@@ -21,12 +22,13 @@ __all__ = ["Journal", "JobRecords"]
 
 class JobRecords:
     """What one job wrote: its last step record (``last``, the one before ``previous``), its
-    ``start`` record and its ``fault`` records."""
+    ``start`` and ``end`` records and its ``fault`` records."""
 
     def __init__(self):
         self.last: Optional[dict] = None
         self.previous: Optional[dict] = None
         self.start: Optional[dict] = None
+        self.end: Optional[dict] = None
         self.faults: List[dict] = []
 
     def take(self, record: dict) -> None:
@@ -35,6 +37,8 @@ class JobRecords:
             self.previous, self.last = self.last, record
         elif event == "start":
             self.start = record
+        elif event == "end":
+            self.end = record
         elif event == "fault":
             self.faults.append(record)
 

@@ -1,7 +1,9 @@
 """``python -m hsgd.run``'s loop: start the job, and restart it on the hosts that answer.
 
 Why a job ended is read from what it leaves, not from its free text: the exit status
-(0 done, 2 bad input, 75 stopped by a signal with a checkpoint) and the ``fault`` records
+(0 with the trainer's ``end`` record: done; 0 without one is not trusted, as Open MPI's
+launcher exits 0 when it ends a job after losing a host; 2 bad input; 75 stopped by a
+signal with a checkpoint) and the ``fault`` records
 the trainer's ranks write when hsgd ends the job (``exception``: not restarted;
 ``stall``: the ranks it found missing). Any other end is a lost host if a host of the
 job no longer answers the probe (MPI ended the job when it lost the host's processes), or
@@ -168,7 +170,7 @@ class Supervisor:
     @staticmethod
     def _not_restarted(code: int, records: JobRecords, received) -> Optional[str]:
         """Why the job is not restarted, or ``None`` if it may be."""
-        if code == 0:
+        if code == 0 and records.end is not None:
             return "the job ended well"
         if received is not None or code == EXIT_REQUEUE:
             return f"the job stopped with status {code} after a signal (checkpointed): not restarted"

@@ -247,6 +247,9 @@ class Trainer:
     def _finish(self, stop: Optional[str]) -> None:
         on_root(self.comm, self.writer.wait)  # the last checkpoint is on disk before the job ends
         self.hooks.close()
+        # the run's last record: how the job ended, for a supervisor that cannot trust the exit
+        # status (Open MPI's launcher exits 0 when it ends a job after losing a host)
+        self.log.write("end", step=self.step, stopped=stop)
         self.log.close()
         if self.cfg.timeline:
             events = self.comm.gather(self.clock.events, root=0)

@@ -143,6 +143,9 @@ def test_stopped_and_resumed_run_ends_identical(tmp_path, cache, whole_runs, ext
     epochs = records(part, "epoch")
     assert [e["epoch"] for e in epochs] == [0, 1]
     assert all(math.isfinite(e["train_loss"]) and e["train_loss"] > 0 for e in epochs)  # no NaN or Inf
+    # each job's last record says how it ended (a supervisor's evidence besides the exit status)
+    assert [(e["step"], e["stopped"]) for e in records(part, "end")] == \
+        [*((s, "stop-after") for s in stops), (2 * STEPS_PER_EPOCH, None)]
 
 
 def test_resume_on_another_number_of_ranks_continues_the_interrupted_epoch(tmp_path, cache):

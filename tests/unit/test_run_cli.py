@@ -66,10 +66,12 @@ def test_the_supervisor_starts_no_torch_and_no_mpi():
 # --- which ends are restarted, on which hosts ------------------------------------------------
 
 A, B, C = Host("127.0.0.1", 2), Host("localhost", 2), Host("127.0.0.2", 2)
+END = {"event": "end", "step": 10, "stopped": None}  # the trainer's last record
 
 
 def supervise(tmp_path, monkeypatch, jobs, answers, extra=()):
-    """Run the loop with ``jobs``, a list of (exit status, fault records) the job ends with in turn,
+    """Run the loop with ``jobs``, a list of (exit status, fault records) the job ends with in turn
+    (``END`` among them: the trainer's end record),
     and ``answers``, the hosts that answer at each probe; returns (exit status, hosts of each
     start, the run's records)."""
     args = run.build_parser().parse_args(["--hosts-file", hosts_file(tmp_path, "127.0.0.1:2\nlocalhost:2\n"
@@ -93,7 +95,7 @@ def supervise(tmp_path, monkeypatch, jobs, answers, extra=()):
 
 def test_a_lost_host_restarts_the_job_on_the_others_and_a_host_back_joins_the_next(tmp_path, monkeypatch):
     code, started, records = supervise(tmp_path, monkeypatch, [(9, []), (1, [{"cause": "stall", "missing": [2, 3]}]),
-                                                               (0, [])],
+                                                               (0, [END])],
                                        [[A, B, C], [A, B], [A, C]])
     assert code == 0
     assert started == [["127.0.0.1", "localhost", "127.0.0.2"], ["127.0.0.1", "localhost"], ["127.0.0.1", "127.0.0.2"]]
@@ -107,10 +109,18 @@ def test_a_lost_host_restarts_the_job_on_the_others_and_a_host_back_joins_the_ne
     ((75, []), [[A]], 75),    # stopped by a signal, checkpointed
     ((9, []), [[A, B, C]], 9),  # a killed process, every host answers: no host was lost
     ((9, []), [[A]], 75),     # one host left, --min-nodes 2: a batch script requeues
+    ((0, [END]), [], 0),      # done
+    ((0, []), [[A, B, C]], 0),  # status 0 without the end record, every host answers: not restarted
 ])
 def test_ends_that_are_not_restarted(tmp_path, monkeypatch, job, answers, want):
     code, started, records = supervise(tmp_path, monkeypatch, [job], [[A, B, C], *answers], ["--min-nodes", "2"])
     assert (code, len(started), records) == (want, 1, [])
+
+
+def test_status_0_without_the_trainers_end_record_is_checked_for_a_lost_host(tmp_path, monkeypatch):
+    # Open MPI's launcher exits 0 when it ends a job after losing a host
+    code, started, records = supervise(tmp_path, monkeypatch, [(0, []), (0, [END])], [[A, B, C], [A, B]])
+    assert code == 0 and len(started) == 2 and [r["lost_hosts"] for r in records] == [["127.0.0.2"]]
 
 
 def test_max_restarts_ends_the_loop_with_the_jobs_status(tmp_path, monkeypatch):
