@@ -174,7 +174,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm: Optional[M
     root = check_all(comm, _checked_root, root, root_rank, comm)
     state = None
     if comm.Get_rank() == root:
-        state = _to_cpu(optimizer.state_dict())
+        state = map_tensors(lambda t: t.detach().cpu(), optimizer.state_dict())
     state = comm.bcast(state, root=root)
     error = None
     if comm.Get_rank() != root:
@@ -185,13 +185,15 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm: Optional[M
     agree(comm, error)
 
 
-def _to_cpu(obj):
+def map_tensors(fn, obj):
+    """``obj`` (a state: tensors in dicts, lists and tuples) with ``fn`` applied to every tensor,
+    every container copied, and everything else as it is."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
+        return type(obj)(map_tensors(fn, v) for v in obj)
     return obj
 
 

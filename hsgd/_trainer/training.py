@@ -25,7 +25,7 @@ from ..data import ensure_mnist1d, ensure_stdlib_tokens
 from ..errors import InputValueError
 from ..lars import LARS
 from ..parallel_io import ContiguousH5Loader
-from ..replicas import average_buffers
+from ..replicas import average_buffers, map_tensors
 from ..schedules import WarmupMultiStepLR, WarmupPolyLR, scaled_lr
 from .checkpoint import load_checkpoint, newest_loadable
 from .config import TrainConfig
@@ -250,13 +250,7 @@ def checkpoint_state(cfg, model, opt, scheduler, loader, step, epoch, best, comm
 
 def _copied(value):
     """``value`` with every tensor cloned and every container copied."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copied(v) for v in value)
-    return value
+    return map_tensors(lambda t: t.detach().clone(), value)
 
 
 def restore(state: dict, model, opt, scheduler, loader, comm, amp=None, seed: int = 0) -> Tuple[int, int, float]:

@@ -76,6 +76,32 @@ class Channel:
         """Free MPI objects (local)."""
 
 
+class FeedbackChannel(Channel):
+    """A channel with error feedback: what a round changes is held by a state with ``commit()``,
+    kept once :meth:`settle` says the round was finite. A state summed again before that keeps
+    its last round's."""
+
+    def __init__(self) -> None:
+        self._pending: Dict[Any, Any] = {}  # key -> its state, summed since the last settle()
+
+    def _hold(self, key: Any, state: Any) -> None:
+        """``state``'s round (under ``key``) awaits :meth:`settle`; its last round, if it still
+        waits, stands."""
+        if key in self._pending:
+            self._pending[key].commit()
+        self._pending[key] = state
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def settle(self, finite: bool) -> None:
+        if finite:
+            for state in self._pending.values():
+                state.commit()
+        self._pending.clear()
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """A compression of the node sums across nodes: its settings (a frozen dataclass, compared

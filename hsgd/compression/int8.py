@@ -23,7 +23,7 @@ import torch
 
 from .._core.checks import check_int
 from .._core.traffic import allreduce_bytes
-from .codec import Channel, Codec, Gathered, Part, Step, entry_ranges, sum_steps
+from .codec import Channel, Codec, FeedbackChannel, Gathered, Part, Step, entry_ranges, sum_steps
 
 __all__ = ["Int8", "quantize", "dequantize"]
 
@@ -97,19 +97,19 @@ class _PartState:
         self.server, self.server_candidate = self.server_candidate, self.server
 
 
-class _QuantizedChannel(Channel):
+class _QuantizedChannel(FeedbackChannel):
     """int8's channel (``levels`` 127): the steps of one part (the module doc), per chunk of at
     most ``chunk_bytes`` on the wire."""
 
     def __init__(self, comm, layout, chunk_bytes: int, block: int, levels: int):
         from mpi4py import MPI
 
+        super().__init__()
         self.comm, self.layout, self.block, self.levels = comm, layout, block, levels
         self.record = _SCALE_BYTES + block
         self.chunk_blocks = max(1, chunk_bytes // self.record)
         self._type: Optional[Any] = MPI.BYTE.Create_contiguous(self.record).Commit()  # one block on the wire
         self._parts: Dict[str, _PartState] = {}
-        self._pending: set = set()
         self._loaded: Dict[str, Dict[str, Any]] = {}
 
     @staticmethod
@@ -128,9 +128,7 @@ class _QuantizedChannel(Channel):
                 for mine, kept in zip(state.server, saved["server"]):
                     mine.copy_(kept)
             self._parts[key] = state
-        elif key in self._pending:  # summed again before settle(): its last round stands
-            state.commit()
-        self._pending.add(key)
+        self._hold(key, state)
         return state
 
     def steps(self, part: Part) -> Tuple[List[Step], int]:
@@ -196,22 +194,13 @@ class _QuantizedChannel(Channel):
             at = start * self.block
             part.values[lo - part.lo:hi - part.lo] = flat[at:at + hi - lo]
 
-    @property
-    def pending(self) -> bool:
-        return bool(self._pending)
-
-    def settle(self, finite: bool) -> None:
-        if finite:
-            for key in self._pending:
-                self._parts[key].commit()
-        self._pending.clear()
-
     def state_dict(self) -> Dict[str, Any]:
         return {"parts": {key: {"error": s.error.clone(), "server": [t.clone() for t in s.server]}
                           for key, s in self._parts.items()}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self._parts, self._pending = {}, set()
+        self._parts = {}
+        self._pending.clear()
         self._loaded = dict(state.get("parts", {}))
 
     def close(self) -> None:

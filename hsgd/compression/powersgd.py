@@ -29,7 +29,7 @@ from .._core.checks import check_int
 from .._core.settings import Real
 from .._core.traffic import allreduce_bytes
 from ..errors import InputValueError
-from .codec import Channel, Codec, Gathered, Part, Step, entry_ranges, sum_steps
+from .codec import Channel, Codec, FeedbackChannel, Gathered, Part, Step, entry_ranges, sum_steps
 
 __all__ = ["PowerSGD", "orthogonalize"]
 
@@ -126,16 +126,16 @@ class _Matrix:
         self.q, self.q_next = self.q_next, self.q
 
 
-class _PowerChannel(Channel):
+class _PowerChannel(FeedbackChannel):
     """PowerSGD's channel on a node leader: per part, one sum of the ``P`` factors and the
     uncompressed values, then (if it compressed any matrix) one sum of the ``Q`` factors."""
 
     def __init__(self, comm, layout, codec: PowerSGD):
+        super().__init__()
         self.comm, self.layout, self.codec = comm, layout, codec
         self.generator = torch.Generator().manual_seed(codec.seed)
         self.summed: Dict[int, int] = {}  # entry -> sums it went through (start_step)
         self.matrices: Dict[int, _Matrix] = {}
-        self._pending: set = set()
 
     def _plan(self, part: Part):
         """The part's matrices to compress now (entry, lo, hi) and the ranges it sends as they are."""
@@ -158,17 +158,14 @@ class _PowerChannel(Channel):
             shape = self.layout.shapes[entry]
             matrix = _Matrix(shape[0], math.prod(shape[1:]), self.codec.rank, dtype, self.generator)
             self.matrices[entry] = matrix
-        elif entry in self._pending:  # summed again before settle(): its last round stands
-            matrix.commit()
-            self._pending.discard(entry)
         return matrix
 
     def steps(self, part: Part) -> Tuple[List[Step], int]:
         compress, exact = self._plan(part)
         dtype, parties = part.values.dtype, self.comm.Get_size()
         matrices = [(self._matrix(entry, dtype), part.values[lo - part.lo:hi - part.lo]) for entry, lo, hi in compress]
-        for entry, _, _ in compress:
-            self._pending.add(entry)
+        for (entry, _, _), (matrix, _) in zip(compress, matrices):
+            self._hold(entry, matrix)
         first = Gathered(part, exact, extra=sum(m.p.numel() for m, _ in matrices))
         steps = sum_steps(self.comm, first.flat, lambda: self._ps(first, matrices), first.scatter)
         sent = allreduce_bytes(first.flat.numel() * first.flat.element_size(), parties)
@@ -212,16 +209,6 @@ class _PowerChannel(Channel):
             matrix.q_next.copy_(qs[q_at:q_at + matrix.q.numel()].view_as(matrix.q))
             q_at += matrix.q.numel()
             torch.matmul(matrix.p, matrix.q_next.t(), out=values.view(matrix.p.shape[0], -1))
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._pending)
-
-    def settle(self, finite: bool) -> None:
-        if finite:
-            for entry in self._pending:
-                self.matrices[entry].commit()
-        self._pending.clear()
 
     def state_dict(self) -> Dict[str, Any]:
         return {"summed": {str(e): n for e, n in self.summed.items()},

@@ -10,7 +10,7 @@ every rank must run it (in the same order for unnamed operations).
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, Callable, List, Sequence
 
 import torch
 
@@ -69,6 +69,13 @@ class Compression:
     fp16 = _FP16Compressor
 
 
+def _compressed(compression, reduce: Callable[..., Sequence[torch.Tensor]], tensors) -> List[torch.Tensor]:
+    """``reduce`` (one operation over all of them) of ``tensors`` as ``compression`` sends them,
+    decompressed."""
+    pairs = [compression.compress(t) for t in tensors]
+    return [compression.decompress(r, c) for r, (_, c) in zip(reduce(*(t for t, _ in pairs)), pairs)]
+
+
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, pre, post, process_set):
@@ -86,10 +93,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
               postscale_factor=1.0, process_set=global_process_set) -> torch.Tensor:
     """``tensor`` reduced over ``process_set`` by ``op`` (default Average; Sum, Min, Max, Product), as a
     new tensor; differentiable. ``average=`` is Horovod's deprecated form of ``op``."""
-    op = average_op(op, average)
-    compressed, ctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
-    return compression.decompress(reduced, ctx)
+    return _compressed(compression, lambda t: (_Allreduce.apply(t, name, average_op(op, average), prescale_factor,
+                                                                postscale_factor, process_set),), [tensor])[0]
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -108,11 +113,8 @@ class _GroupedAllreduce(torch.autograd.Function):
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> List[torch.Tensor]:
     """:func:`allreduce` of a list of tensors as one operation; differentiable."""
-    op = average_op(op, average)
-    pairs = [compression.compress(t) for t in tensors]
-    reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
-                                      *(t for t, _ in pairs))
-    return [compression.decompress(r, c) for r, (_, c) in zip(reduced, pairs)]
+    return _compressed(compression, lambda *ts: _GroupedAllreduce.apply(
+        name, average_op(op, average), prescale_factor, postscale_factor, process_set, *ts), tensors)
 
 
 def _own_rows(grads: List[torch.Tensor], dims: List[int], process_set) -> List[torch.Tensor]:
@@ -219,9 +221,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
                   prescale_factor=1.0, postscale_factor=1.0) -> torch.Tensor:
     """``tensor`` reduced over the set (Sum or Average) with dimension 0 scattered: this rank's
     rows; differentiable."""
-    compressed, ctx = compression.compress(tensor)
-    reduced = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
-    return compression.decompress(reduced, ctx)
+    return _compressed(compression, lambda t: (_Reducescatter.apply(t, name, op, process_set, prescale_factor,
+                                                                    postscale_factor),), [tensor])[0]
 
 
 class _GroupedReducescatter(torch.autograd.Function):
@@ -241,8 +242,6 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0) -> List[torch.Tensor]:
     """:func:`reducescatter` of a list of tensors as one operation; differentiable."""
-    pairs = [compression.compress(t) for t in tensors]
-    reduced = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
-                                          *(t for t, _ in pairs))
-    return [compression.decompress(r, c) for r, (_, c) in zip(reduced, pairs)]
+    return _compressed(compression, lambda *ts: _GroupedReducescatter.apply(
+        name, op, process_set, prescale_factor, postscale_factor, *ts), tensors)
 

@@ -8,7 +8,7 @@ NCCL, gloo, CCL or ROCm kernels: CUDA tensors are staged through host memory).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import InputValueError
 
@@ -130,46 +130,22 @@ def mpi_threads_supported() -> bool:
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
-def mpi_enabled() -> bool:
-    """True: every collective runs over MPI."""
-    return True
+def _answer(name: str, value: Any, doc: str) -> Callable[[], Any]:
+    """A query that always answers ``value`` (what this build has), named and described as Horovod's."""
+    def query() -> Any:
+        return value
+    query.__name__ = query.__qualname__ = name
+    query.__doc__ = doc
+    return query
 
 
-def mpi_built() -> bool:
-    """True: hsgd is built on MPI (mpi4py)."""
-    return True
-
-
-def gloo_enabled() -> bool:
-    """False: there is no gloo controller."""
-    return False
-
-
-def gloo_built() -> bool:
-    """False: there is no gloo controller."""
-    return False
-
-
-def nccl_built() -> int:
-    """0: no NCCL kernels (Horovod returns the NCCL version, 0 without)."""
-    return 0
-
-
-def ddl_built() -> bool:
-    """False: no IBM DDL."""
-    return False
-
-
-def ccl_built() -> bool:
-    """False: no oneCCL."""
-    return False
-
-
-def cuda_built() -> bool:
-    """False: no CUDA kernels of its own; CUDA tensors are staged through host memory."""
-    return False
-
-
-def rocm_built() -> bool:
-    """False: no ROCm kernels."""
-    return False
+mpi_enabled = _answer("mpi_enabled", True, "True: every collective runs over MPI.")
+mpi_built = _answer("mpi_built", True, "True: hsgd is built on MPI (mpi4py).")
+gloo_enabled = _answer("gloo_enabled", False, "False: there is no gloo controller.")
+gloo_built = _answer("gloo_built", False, "False: there is no gloo controller.")
+nccl_built = _answer("nccl_built", 0, "0: no NCCL kernels (Horovod returns the NCCL version, 0 without).")
+ddl_built = _answer("ddl_built", False, "False: no IBM DDL.")
+ccl_built = _answer("ccl_built", False, "False: no oneCCL.")
+cuda_built = _answer("cuda_built", False,
+                     "False: no CUDA kernels of its own; CUDA tensors are staged through host memory.")
+rocm_built = _answer("rocm_built", False, "False: no ROCm kernels.")
