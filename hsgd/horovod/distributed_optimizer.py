@@ -6,17 +6,16 @@ across nodes), in ``step()`` or ``synchronize()``, or in buckets during backward
 ``op`` (Average or Sum), ``gradient_predivide_factor``, ``backward_passes_per_step``,
 ``compression`` (``Compression.fp16`` sends the sums that cross nodes in 16 bits), sparse
 gradients (averaged dense, handed back sparse), ``process_set`` (a rank outside it steps on
-its own gradients, as in Horovod). Before each average the ranks exchange a small token
-through the name matching, so that a rank in ``hvd.join()`` averages zeros with them.
+its own gradients, as in Horovod). Before each average the ranks add up a one-integer token
+(:mod:`hsgd.horovod.step_token`), so that a rank in ``hvd.join()`` averages zeros with them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import warnings
 import weakref
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -26,17 +25,17 @@ from ..errors import InputValueError
 from ..hierarchical.synchronous import DEFAULT_BUCKET_MB, HierarchicalSGD
 from ..topology import Topology
 from .autograd_ops import Compression
-from .matching import Entry, Matcher, Submission
+from .matching import Matcher
 from .process_sets import ProcessSet, global_process_set, matcher_of
-from .runtime import Adasum, Average, HorovodInternalError, Sum
-from .tensor_ops import register_overlap, wait
+from .runtime import Adasum, Average, Sum
+from .step_token import StepToken
+from .tensor_ops import register_overlap
 
 __all__ = ["DistributedOptimizer"]
 
 _STEP_WARNING = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                  "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
                  "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
-_indices: weakref.WeakKeyDictionary[Matcher, Iterator[int]] = weakref.WeakKeyDictionary()
 
 
 def _named(optimizer: torch.optim.Optimizer, named_parameters) -> List[Tuple[str, torch.Tensor]]:
@@ -130,19 +129,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
 
 class _HorovodSGD(HierarchicalSGD):
     """:class:`~hsgd.HierarchicalSGD` with Horovod's ``op``, ``gradient_predivide_factor``, sparse
-    gradients, the step warning and the token that lets a joined rank take part."""
+    gradients, the step warning and the step token that lets a joined rank take part."""
 
     def __init__(self, optimizer, named: List[Tuple[str, torch.Tensor]], topology: Topology, matcher: Matcher,
                  op: int, predivide: float, **settings: Any) -> None:
         self._hvd_op, self._predivide, self._matcher = op, predivide, matcher
         self._parameter_names: Dict[torch.Tensor, str] = {p: name for name, p in named}
+        self._token: Optional[StepToken] = None
         super().__init__(optimizer, named_parameters=named, topology=topology, broadcast=False, **settings)
-        self._token = f"DistributedOptimizer.{next(_indices.setdefault(matcher, itertools.count()))}"
         if self.settings.overlap:
             register_overlap(self)
         else:
             ref = weakref.WeakMethod(self._joined_average)
-            matcher.steps[self._token] = lambda: (ref() or (lambda: None))()
+            self._token = StepToken(matcher.ctl, lambda: (ref() or (lambda: None))())
+            matcher.tokens.append(self._token)
         self.zero_grad(set_to_none=False)  # as Horovod: every trained parameter has a (zero) gradient
 
     def step_weight(self, level: str) -> float:
@@ -155,11 +155,8 @@ class _HorovodSGD(HierarchicalSGD):
         self._check_open()
         if self._synchronized:
             return
-        if not self.settings.overlap:
-            entry = self._matcher.submit(Submission("step", self._token), Entry("step"))
-            wait(entry)
-            if entry.error is not None:
-                raise HorovodInternalError(entry.error)
+        if self._token is not None:
+            self._token.step()
         sparse = [(p, g) for p in self._params if (g := p.grad) is not None and g.is_sparse]
         for p, g in sparse:
             p.grad = g.to_dense()
@@ -191,7 +188,10 @@ class _HorovodSGD(HierarchicalSGD):
         raise NotImplementedError("pass backward_passes_per_step= to hvd.DistributedOptimizer when building it")
 
     def _close(self) -> None:
-        self._matcher.steps.pop(self._token, None)
+        if self._token is not None:
+            if self._token in self._matcher.tokens:
+                self._matcher.tokens.remove(self._token)
+            self._token.free()
         super()._close()
         self.topology.close()
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .._core.waits import Backoff
 from ..errors import InputValueError
 from .execution import Transfer, start
+from .step_token import StepToken
 
 __all__ = ["Submission", "Entry", "Matcher"]
 
@@ -78,7 +79,7 @@ class Matcher:
         self._sends: List[Any] = []
         self._unnamed, self._epoch = 0, 0
         self._closing = False
-        self.steps: Dict[str, Callable[[], None]] = {}  # step token name -> what a joined rank runs
+        self.tokens: List[StepToken] = []  # the set's DistributedOptimizers' (hsgd.horovod.step_token)
         # the coordinator's state (rank 0)
         self._arrived: Dict[Key, Dict[int, Submission]] = {}
         self._since: Dict[Key, float] = {}
@@ -110,6 +111,16 @@ class Matcher:
         self._send(submission)
         self.progress()
 
+    def join_steps(self) -> None:
+        """This rank joined: take part in the set's optimizer steps (zero gradients) from now on,
+        until every member joined (:meth:`following` turns false)."""
+        for token in self.tokens:
+            token.join()
+
+    def following(self) -> bool:
+        """Whether this rank still follows, joined, the steps of an optimizer of the set."""
+        return any(token.joined for token in self.tokens)
+
     def in_flight(self) -> int:
         """Operations submitted here and not finished."""
         return len(self._pending) + len(self._running)
@@ -126,6 +137,8 @@ class Matcher:
         if self.rank == 0:
             moved = self._drain(_REQUEST, self._arrive) | self._match()
         moved |= self._drain(_RESPONSE, self._respond_all)
+        for token in list(self.tokens):  # on a rank in join(): the optimizers' steps
+            moved |= token.progress()
         running = [t for t in self._running if not t.test()]
         moved |= len(running) != len(self._running)
         self._running = running
@@ -159,11 +172,6 @@ class Matcher:
                 entry.finish(payload)
             if kind == "join":  # every member is here: the unnamed counters restart together
                 self._unnamed, self._epoch = 0, self._epoch + 1
-        elif kind == "step":
-            if entry is not None:
-                entry.finish(None)
-            elif name in self.steps:  # joined: take part in the optimizer's average with zero gradients
-                self.steps[name]()
         else:
             self._running.append(start(self.data, kind, entry, payload, self.rank))
 
@@ -214,7 +222,7 @@ class Matcher:
                     f"{kind} {name!r}: rank {self.hvd_ranks[r]} passed {label}{mine} but rank "
                     f"{self.hvd_ranks[ranks[0]]} passed {label}{theirs}; every rank must pass the same")
         joined = [r for r in range(self.size) if r not in subs]
-        if joined and kind not in ("allreduce", "barrier", "step"):
+        if joined and kind not in ("allreduce", "barrier"):
             return kind, name, "error", (
                 f"{kind} {name!r} is not supported with join(): rank(s) "
                 f"{[self.hvd_ranks[r] for r in joined]} joined; only allreduce, barrier and the "
@@ -248,7 +256,7 @@ class Matcher:
         for entry in self._pending.values():
             entry.fail("hvd.shutdown() or hvd.remove_process_set() ran before it finished")
         self._pending.clear()
-        self._closing, self.steps = True, {}
+        self._closing, self.tokens = True, []
         barrier, backoff = None, Backoff()
         while True:
             moved = self.progress()

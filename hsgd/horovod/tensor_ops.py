@@ -263,11 +263,15 @@ def wait(entry: Entry) -> None:
     """Drive every set's matching until ``entry`` is done, yielding the core when nothing moves.
     ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (> 0) raises :class:`HorovodInternalError` on a rank
     that waited that long."""
+    _drive(lambda: entry.done, entry.kind)
+
+
+def _drive(done: Callable[[], bool], kind: str) -> None:
     from .._core.waits import Backoff
 
     backoff, start = Backoff(), time.monotonic()
     limit = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0") or 0)
-    while not entry.done:
+    while not done():
         moved = False
         for matcher in matchers():
             moved |= matcher.progress()
@@ -275,7 +279,7 @@ def wait(entry: Entry) -> None:
             backoff.reset()
             continue
         if limit > 0 and time.monotonic() - start > limit:
-            raise HorovodInternalError(f"a {entry.kind} waited {limit:.0f} s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) "
+            raise HorovodInternalError(f"a {kind} waited {limit:.0f} s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) "
                                        "for ranks that did not submit it")
         backoff.idle()
 
@@ -343,6 +347,9 @@ def join(device: int = -1) -> int:
     if len(_overlapping):
         raise NotImplementedError("hvd.join() beside a DistributedOptimizer(overlap=True): the others average "
                                   "during backward, which a joined rank cannot follow; use overlap=False")
+    for matcher in matchers():  # before the join is submitted: the others may step right after it
+        matcher.join_steps()
     entry = matcher_of(global_process_set).submit(Submission("join", "join"), Entry("join"))
-    wait(entry)
+    wait(entry)  # every rank joined; then the optimizers' last tokens complete
+    _drive(lambda: not any(matcher.following() for matcher in matchers()), "join")
     return entry.result

@@ -179,6 +179,43 @@ def test_join_contributes_zeros_to_allreduce_and_to_a_distributed_optimizer_step
     still_in_step()
 
 
+def test_a_joined_rank_follows_the_steps_of_every_optimizer_it_is_in():
+    """The last rank joins; the others step an optimizer over a process set without rank 0 (the
+    joined rank a member), then one over the world, twice: the joined rank takes part in both
+    with zero gradients, each average dividing by its own set's size."""
+    size, rank = hvd.size(), hvd.rank()
+    if size < 3:  # a process set of two or more ranks, rank 0 not among them
+        return
+    joiner, members = size - 1, list(range(1, size))
+    subset = hvd.add_process_set(members)
+    models = [torch.nn.Linear(3, 1, bias=False, dtype=torch.float64) for _ in range(2)]
+    for model in models:
+        torch.nn.init.constant_(model.weight, 1.0)
+    opts = [hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), process_set=ps,
+                                     named_parameters=model.named_parameters())
+            for model, ps in zip(models, (subset, hvd.global_process_set))]
+    if rank == joiner:
+        hvd.join()
+    else:
+        for _ in range(2):
+            for model, opt, ps in zip(models, opts, (subset, hvd.global_process_set)):
+                if rank in ps.ranks:
+                    opt.zero_grad()
+                    model(torch.full((1, 3), float(rank + 1), dtype=torch.float64)).sum().backward()
+                    opt.step()
+        hvd.join()
+    # float64 reference: per step, the stepping members' gradients (rank + 1) over the set's size
+    for model, ranks in zip(models, (members, list(range(size)))):
+        if rank not in ranks or rank == joiner:  # a joined rank averages, but does not step
+            continue
+        mean = sum(r + 1 for r in ranks if r != joiner) / len(ranks)
+        assert torch.allclose(model.weight.detach(), torch.full((1, 3), 1.0 - 2 * mean, dtype=torch.float64))
+    for opt in opts:
+        opt.close()
+    hvd.remove_process_set(subset)
+    still_in_step()
+
+
 def test_process_sets_are_communicators_added_and_removed_on_every_rank():
     size, rank = hvd.size(), hvd.rank()
     if size == 1:  # the set of rank 0 is the global set
