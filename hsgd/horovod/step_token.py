@@ -25,7 +25,10 @@ class StepToken:
     def __init__(self, comm, joined_step: Callable[[], None]):
         self.comm, self.joined_step = comm.Dup(), joined_step
         self.size = self.comm.Get_size()
+        # the buffers live as long as the token: a non-blocking allreduce may read or write its
+        # buffer until its Wait returns, and a temporary could be freed before that
         self._flag = np.zeros(1, dtype=np.int32)
+        self._zero = np.zeros(1, dtype=np.int32)
         self._request: Optional[Any] = None  # the joined rank's posted allreduce
 
     def step(self) -> None:
@@ -35,7 +38,8 @@ class StepToken:
         # non-blocking one); waited for in MPI, as the average's first fence (a node barrier)
         # would be: the ranks arrive skewed by their backward passes, and a rank napping here
         # would wake late
-        self._start(np.zeros(1, dtype=np.int32)).Wait()
+        self._zero[0] = 0
+        self._start(self._zero).Wait()
 
     def join(self) -> None:
         """This rank joined: post its part of the others' next step."""
