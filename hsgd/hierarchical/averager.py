@@ -68,6 +68,8 @@ class HierarchicalAverager(Closable):
         self.topology = topology
         self.layout = layout
         self.meter = Meter() if meter is None else meter
+        # the last round's averages all finite, where its codec asked (settle()); else None
+        self.finite: Optional[bool] = None
         codec = codec_of(compression)
         if codec is not None:
             check_all(topology.comm, _check_codec, codec, layout, inter_node)
@@ -118,6 +120,7 @@ class HierarchicalAverager(Closable):
         if self.slots.closed:
             raise RuntimeError("HierarchicalAverager is closed; its shared window was freed")
         topo, meter = self.topology, self.meter
+        self.finite = None  # a new round: settle() answers for it, if its codec asks
         if level == "node" or topo.num_nodes == 1:
             with meter.phase("intra"):
                 self._node_mean(scale)
@@ -156,10 +159,17 @@ class HierarchicalAverager(Closable):
         """A round of sums across nodes is over (:meth:`average`, or the backward overlap's
         buckets) and its averages are in this rank's slot (``spans``, default every segment):
         the codec keeps the error feedback of the round if they are finite, else drops it (the
-        step is skipped). The averages are the same on every rank, so is the decision."""
+        step is skipped). The averages are the same on every rank, so is the decision. Where
+        the codec asked, ``finite`` holds the answer until the next round."""
         own = self.slots.own
         spans = spans or [(seg, 0, self.layout.numels[seg]) for seg in range(len(self.layout.dtypes))]
-        self.inter.settle(lambda: all(bool(torch.isfinite(own(seg)[lo:hi]).all()) for seg, lo, hi in spans))
+        self.finite = None
+
+        def finite() -> bool:
+            self.finite = all(bool(torch.isfinite(own(seg)[lo:hi]).all()) for seg, lo, hi in spans)
+            return self.finite
+
+        self.inter.settle(finite)
 
     def state_dict(self) -> Optional[Dict[str, Any]]:
         """The codec's state on this rank (its error feedback; ``None`` for a codec without) and

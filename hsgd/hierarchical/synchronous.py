@@ -184,6 +184,11 @@ class HierarchicalSGD(HierarchicalMode):
         self._check_open()
         if not self._synchronized:
             raise RuntimeError("gradients_finite() before synchronize(): the gradients are not averaged yet")
+        # the codec's error feedback asked the same of this round's averages (settle()): one scan
+        # answers both, so a step skipped here is one whose feedback was dropped
+        known = self.averager.finite
+        if known is not None:
+            return known
         return all(bool(torch.isfinite(self.averager.own(seg)).all())
                    for seg in range(len(self.averager.layout.dtypes)))
 

@@ -11,6 +11,7 @@ repeat. Nothing here asserts on a timing. A bad option must give one
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -88,7 +89,8 @@ SMOKE = {
               lambda raw: [*raw["calibration"]["level1"], *raw["calibration"]["mpi"],
                            *(t for row in raw["validation"] for t in row["times"].values())], 2),
     "race": (["--ranks", "2", "--ranks-per-node", "1", "--steps", "4", "--eval-every", "2", "--width", "64",
-              "--start-step", "2", "--samples", "2000", "--target", "0.05", "--cache-dir", "{cache}"],
+              "--start-step", "2", "--powersgd-rank", "4", "--samples", "2000", "--target", "0.05",
+              "--cache-dir", "{cache}"],
              "| method | steps to target | s to target | DDP's s / this | s per step | MB per step, busiest link "
              "| bytes vs hsgd fp32 | link s per step | final test acc | vs hsgd fp32 (points) |",
              lambda raw: [[r["evals"][-1][1] for r in raw if r["method"] == m] for m in RACE_METHODS], 1),
@@ -161,8 +163,14 @@ def test_subcommand_runs_prints_its_table_and_writes_raw_json(name, tmp_path, ca
         # --join (in this process: no launch): two runs' rows in one table; runs of other settings refused
         other = tmp_path / "other.json"
         other.write_text(json.dumps({**record, "settings": {**record["settings"], "steps": 5}}))
-        assert lab_main(["race", "--join", str(out), str(out)]) == 0
-        assert "median of 2" in capsys.readouterr().out
+        slower = tmp_path / "slower.json"  # the same run, every step 1000 times as long
+        slower.write_text(json.dumps({**record, "raw": [{**r, "evals": [[s, 1000 * t, a] for s, t, a in r["evals"]]}
+                                                        for r in record["raw"]]}))
+        assert lab_main(["race", "--join", str(out), str(slower)]) == 0
+        joined = capsys.readouterr().out  # s per step: the median of the 2 repeats, and their range
+        cells = re.findall(r"\| (\d+\.\d{3}) \((\d+\.\d{3})-(\d+\.\d{3})\) \|", joined)
+        assert "median of 2 (smallest-largest" in joined and len(cells) == len(RACE_METHODS), joined
+        assert all(float(low) < float(mid) < float(high) for mid, low, high in cells), cells
         with pytest.raises(SystemExit):
             lab_main(["race", "--join", str(out), str(other)])
         assert "the runs differ in steps" in capsys.readouterr().err

@@ -296,16 +296,24 @@ def test_a_state_from_another_node_count_starts_afresh_and_says_so(comm, codec):
 
 @across_nodes
 @pytest.mark.parametrize("codec", CODECS)
-def test_a_step_skipped_as_non_finite_leaves_the_error_buffers_untouched(comm, codec):
+def test_a_step_skipped_as_non_finite_leaves_the_error_buffers_untouched(comm, codec, monkeypatch):
+    """The codec's error feedback and the finite guard take one answer: each step scans its
+    averages for NaN/Inf once (every rank a node: every rank keeps error feedback)."""
     topo, model, opt = build(comm, codec)
     train(comm, opt, model, 3, 0)
     before = [t.clone() for t in flat(opt.rank_state_dict())]
     params = [p.detach().clone() for p in model.parameters()]
+    scanned, isfinite = [], torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: scanned.append(t.numel()) or isfinite(t))
+    every = sum(opt.averager.layout.numels)
     train(comm, opt, model, 1, 3, nan_at=3)  # NaN on rank 0: the averages are NaN on every rank
+    assert 0 < sum(scanned) <= every, (scanned, every)  # one scan, up to the first NaN
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))  # skipped
     after = flat(opt.rank_state_dict())
     assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(before, after))
+    scanned.clear()
     train(comm, opt, model, 1, 4)
+    assert sum(scanned) == every, (scanned, every)  # one whole scan
     moved = flat(opt.rank_state_dict())  # the next finite step moves them again (a leader's)
     assert not all(torch.equal(a, b) for a, b in zip(before, moved)) or topo.local_rank > 0
     close(topo, opt)
