@@ -156,18 +156,24 @@ class HierarchicalAverager(Closable):
         """A round of sums across nodes is over (:meth:`average`, or the backward overlap's
         buckets) and its averages are in this rank's slot (``spans``, default every segment):
         the codec keeps the error feedback of the round if they are finite, else drops it (the
-        step is skipped). The averages are the same on every rank, so is the decision."""
+        step is skipped). The averages are the same on every rank, so is the decision. Given
+        ``spans``, only the sums inside them are settled (a streaming fragment's: others may run on)."""
         own = self.slots.own
-        spans = spans or [(seg, 0, self.layout.numels[seg]) for seg in range(len(self.layout.dtypes))]
-        self.inter.settle(lambda: all(bool(torch.isfinite(own(seg)[lo:hi]).all()) for seg, lo, hi in spans))
+        every = spans or [(seg, 0, self.layout.numels[seg]) for seg in range(len(self.layout.dtypes))]
+        self.inter.settle(lambda: all(bool(torch.isfinite(own(seg)[lo:hi]).all()) for seg, lo, hi in every), spans)
+
+    @property
+    def feedback(self) -> bool:
+        """Whether its codec keeps error feedback (:meth:`state_dict` is then not ``None``)."""
+        codec = self.inter.codec
+        return codec is not None and codec.feedback
 
     def state_dict(self) -> Optional[Dict[str, Any]]:
         """The codec's state on this rank (its error feedback; ``None`` for a codec without) and
         where it belongs: the world's ranks and nodes, the strategy, this rank."""
-        codec = self.inter.codec
-        if codec is None or not codec.feedback:
+        if not self.feedback:
             return None
-        return {"where": self._where(), "codec": repr(codec), "state": self.inter.state_dict()}
+        return {"where": self._where(), "codec": repr(self.inter.codec), "state": self.inter.state_dict()}
 
     def _where(self) -> list:
         topo = self.topology
