@@ -68,9 +68,13 @@ def dequantize(scales: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> tor
 class Int8(Codec):
     """Node sums across nodes in 8 bits plus a float32 scale per ``block`` values (25.4% of
     float32's bytes at 256), with error feedback. Works with both inter-node strategies:
-    ``"sharded"`` ranks quantize their own slices, in blocks that start at their slice."""
+    ``"sharded"`` ranks quantize their own slices, in blocks that start at their slice.
+    ``tensor_blocks``: every tensor starts a block (its last block padded with zeros); False:
+    the blocks run on from one tensor into the next, no padding (the fewest bytes for models
+    of many small tensors; DiLoCo's ``outer_compression="int8"``)."""
 
     block: int = 256
+    tensor_blocks: bool = True
     feedback = True
     bits = 8  # per value on the wire; the largest integer sent is 2**(bits-1) - 1: symmetric, so that 0 is exact
 
@@ -82,7 +86,7 @@ class Int8(Codec):
         check_int(f"{name}.block", self.block, 1)
 
     def open(self, comm, layout, chunk_bytes: int) -> Channel:
-        return _QuantizedChannel(comm, layout, chunk_bytes, self.block, self.bits)
+        return _QuantizedChannel(comm, layout, chunk_bytes, self.block, self.bits, self.tensor_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,14 +107,18 @@ class _PartState:
     """One part's plan, buffers and error feedback (worker: the part's blocks; server: this
     rank's share of each chunk)."""
 
-    def __init__(self, part: Part, layout, block: int, record: int, chunk_blocks: int, parties: int, me: int):
+    def __init__(self, part: Part, layout, block: int, record: int, chunk_blocks: int, parties: int, me: int,
+                 tensor_blocks: bool = True):
         ranges = entry_ranges(layout, part)
         self.ranges = [(lo, hi) for entry, lo, hi in ranges if entry not in layout.exact]
         self.exact = [(lo, hi) for entry, lo, hi in ranges if entry in layout.exact]
-        self.starts, blocks = [], 0  # each range's first block
+        self.starts, at = [], 0  # each range's first value in the blocks
         for lo, hi in self.ranges:
-            self.starts.append(blocks)
-            blocks += -(-(hi - lo) // block)
+            self.starts.append(at)
+            at += hi - lo
+            if tensor_blocks:  # the next tensor starts a block: the last one of this one is padded
+                at = -(-at // block) * block
+        blocks = -(-at // block)
         dtype = part.values.dtype
         self.error = torch.zeros(blocks, block, dtype=dtype)
         self.candidate = torch.zeros(blocks, block, dtype=dtype)  # the values sent, then the new error
@@ -134,12 +142,12 @@ class _QuantizedChannel(FeedbackChannel):
     """int8's and int4's channel (``bits`` per value): the steps of one part (the module doc), per
     chunk of at most ``chunk_bytes`` on the wire."""
 
-    def __init__(self, comm, layout, chunk_bytes: int, block: int, bits: int):
+    def __init__(self, comm, layout, chunk_bytes: int, block: int, bits: int, tensor_blocks: bool = True):
         from mpi4py import MPI
 
         super().__init__()
         self.comm, self.layout, self.block, self.bits = comm, layout, block, bits
-        self.levels = 2 ** (bits - 1) - 1
+        self.levels, self.tensor_blocks = 2 ** (bits - 1) - 1, tensor_blocks
         self.record = _SCALE_BYTES + block * bits // 8
         self.chunk_blocks = max(1, chunk_bytes // self.record)
         self._type: Optional[Any] = MPI.BYTE.Create_contiguous(self.record).Commit()  # one block on the wire
@@ -155,7 +163,7 @@ class _QuantizedChannel(FeedbackChannel):
         state = self._parts.get(key)
         if state is None:
             state = _PartState(part, self.layout, self.block, self.record, self.chunk_blocks, self.comm.Get_size(),
-                               self.comm.Get_rank())
+                               self.comm.Get_rank(), self.tensor_blocks)
             saved = self._loaded.pop(key, None)
             if saved is not None:
                 state.error.copy_(saved["error"])
@@ -196,7 +204,7 @@ class _QuantizedChannel(FeedbackChannel):
             flat = state.candidate.view(-1)
             flat.zero_()
             for (lo, hi), start in zip(state.ranges, state.starts):
-                at = start * self.block
+                at = start
                 flat[at:at + hi - lo] = part.values[lo - part.lo:hi - part.lo]
             state.candidate += state.error
             state.candidate -= self._encode(state.candidate, state.wire)  # now the new error
@@ -225,7 +233,7 @@ class _QuantizedChannel(FeedbackChannel):
     def _decode_into(self, part: Part, state: _PartState) -> None:
         flat = self._decode(state.wire, part.values.dtype).view(-1)
         for (lo, hi), start in zip(state.ranges, state.starts):
-            at = start * self.block
+            at = start
             part.values[lo - part.lo:hi - part.lo] = flat[at:at + hi - lo]
 
     def state_dict(self) -> Dict[str, Any]:

@@ -18,13 +18,14 @@ averagings the ranks' models differ: evaluate and save their average
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .._core.settings import Boolean, Integer, Names, Real, setting
-from ..compression import OUTER_COMPRESSIONS, Codec, CodecChoice, OuterCompression, codec_of
+from ..compression import OUTER_COMPRESSIONS, Codec, CodecChoice, Int8, OuterCompression, codec_of
 from ..errors import InputTypeError, InputValueError
 from .engine import HierarchicalEngine, HierarchicalMode
 from .outer import OuterFactory
@@ -98,8 +99,13 @@ class HierarchicalLocalSGD(HierarchicalMode):
             return self.outer_optimizer is not None
 
         def outer_codec(self) -> Optional[Codec]:
-            """The codec of the pseudo-gradients across nodes (``None``: exact sums)."""
-            return codec_of(self.outer_compression)
+            """The codec of the pseudo-gradients across nodes (``None``: exact sums). By name,
+            int8's and int4's blocks run on across tensors (``Int8(tensor_blocks=False)``): the
+            pseudo-gradient is one vector of the whole model, no block padded."""
+            codec = codec_of(self.outer_compression)
+            if isinstance(self.outer_compression, str) and isinstance(codec, Int8):
+                codec = dataclasses.replace(codec, tensor_blocks=False)
+            return codec
 
         def _check_together(self, names: Names) -> None:
             super()._check_together(names)

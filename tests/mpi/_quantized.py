@@ -15,14 +15,20 @@ class Int8Simulation:
     """Every node's int8 sums of one part ``[lo, hi)`` of the (one) segment, with their errors;
     ``levels``: 127 (int8) or 7 (int4); values of ``dtype``."""
 
-    def __init__(self, lay, lo, hi, block, chunk_blocks, parties, levels=127, dtype=torch.float32):
+    def __init__(self, lay, lo, hi, block, chunk_blocks, parties, levels=127, dtype=torch.float32, tensor_blocks=True):
         self.block, self.parties, self.levels, self.dtype = block, parties, levels, dtype
         self.ranges, self.exact = [], []
         for e, ((_, off), n) in enumerate(zip(lay.places, lay.sizes)):
             a, b = max(off, lo), min(off + n, hi)
             if a < b:
                 (self.exact if e in lay.exact else self.ranges).append((e, a - off, b - off))
-        self.blocks = sum(-(-(b - a) // block) for _, a, b in self.ranges)
+        self.starts, at = [], 0  # each range's first value in the flat blocks
+        for _, a, b in self.ranges:
+            self.starts.append(at)
+            at += b - a
+            if tensor_blocks:
+                at = -(-at // block) * block
+        self.blocks = -(-at // block)
         self.chunks = [(f, min(chunk_blocks, self.blocks - f)) for f in range(0, self.blocks, chunk_blocks)]
         self.errors = [torch.zeros(self.blocks, block, dtype=dtype) for _ in range(parties)]
         self.server = torch.zeros(self.blocks, block, dtype=dtype)  # every party's share, in place
@@ -32,10 +38,8 @@ class Int8Simulation:
         sent = []
         for i in range(self.parties):
             flat = torch.zeros(self.blocks, self.block, dtype=self.dtype)
-            at = 0
-            for e, a, b in self.ranges:
-                flat.view(-1)[at * self.block:at * self.block + b - a] = sums[i][e][a:b]
-                at += -(-(b - a) // self.block)
+            for (e, a, b), at in zip(self.ranges, self.starts):
+                flat.view(-1)[at:at + b - a] = sums[i][e][a:b]
             flat += self.errors[i]
             sent.append(quantize(flat, self.levels))
             self.errors[i] = flat - sent[-1]
@@ -50,10 +54,8 @@ class Int8Simulation:
                 total[rows] = quantize(s, self.levels)
                 self.server[rows] = s - total[rows]
         out = [t.clone() for t in sums[0]]
-        at = 0
-        for e, a, b in self.ranges:
-            out[e][a:b] = total.view(-1)[at * self.block:at * self.block + b - a]
-            at += -(-(b - a) // self.block)
+        for (e, a, b), at in zip(self.ranges, self.starts):
+            out[e][a:b] = total.view(-1)[at:at + b - a]
         for e, a, b in self.exact:
             out[e][a:b] = sum(s[e][a:b] for s in sums)
         return out

@@ -59,7 +59,8 @@ def simulate(nodes, steps, H, B, outer=None, fragments=1, delay=0, alpha=0.0, le
     lay = Layout([(p.dtype, p.numel()) for p in params[0]], [p.shape for p in params[0]])
     bits = 8 if levels == 127 else 4
     sims = [Int8Simulation(lay, lay.places[a][1], lay.places[b - 1][1] + lay.sizes[b - 1], 256,
-                           CHUNK_BYTES // (4 + 256 * bits // 8), len(members), levels, torch.float64)
+                           CHUNK_BYTES // (4 + 256 * bits // 8), len(members), levels, torch.float64,
+                           tensor_blocks=False)
             for a, b in groups] if levels and len(members) > 1 else None
 
     def pseudo_gradient(f):
