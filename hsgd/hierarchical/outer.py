@@ -234,7 +234,8 @@ class _Queued:
     """One span's level-2 sum: ``start()`` gives its :class:`~hsgd.inter_node.Pending`."""
 
     def __init__(self, start: Callable[[], Any]):
-        self.start, self.pending = start, None
+        self.start = start
+        self.pending: Optional[Any] = None  # its Pending, once started
 
     @property
     def done(self) -> bool:
