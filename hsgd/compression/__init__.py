@@ -4,7 +4,7 @@
 ``"fp16"``, ``"bf16"`` (:class:`Half`), ``"int8"`` (:class:`Int8`), ``"int4"``
 (:class:`Int4`) or ``"powersgd"`` (:class:`PowerSGD`), or a codec object with its settings,
 e.g. ``PowerSGD(rank=4, start_step=10, min_compression_rate=2)``; DiLoCo's pseudo-gradients
-take those of :data:`OUTER_COMPRESSIONS` (``outer_compression=``). Only the sums across nodes
+take those of ``OUTER_COMPRESSIONS`` (``outer_compression=``). Only the sums across nodes
 change; inside a node the sums stay exact in shared memory, so a node sends one compressed
 message per round and keeps one error-feedback state. With one node nothing is compressed.
 The traffic counters (``inter_bytes``) count what is sent, scales included.
