@@ -164,11 +164,12 @@ class _Strategy:
                         for step in start_sum(self._comm(), chunk.numpy())])
 
     # --- the codec's error feedback (none without a channel)
-    def settle(self, finite: Callable[[], bool]) -> None:
+    def settle(self, finite: Callable[[], bool], spans=None) -> None:
         """After a round of sums: keep the codec's error feedback if ``finite()`` (the round's
-        averages are finite: asked only here, where there is feedback to keep), else drop it."""
+        averages are finite: asked only here, where there is feedback to keep), else drop it.
+        ``spans``: only that of the parts inside these ``(segment, lo, hi)`` (default all)."""
         if self.channel is not None and self.channel.pending:
-            self.channel.settle(finite())
+            self.channel.settle(finite(), spans)
 
     def state_dict(self) -> Optional[dict]:
         """The channel's state on this rank (``None``: none)."""

@@ -54,11 +54,12 @@ class Channel:
         completed and finished), and the bytes this rank sends for it, scales included."""
         raise NotImplementedError
 
-    def settle(self, finite: bool) -> None:
+    def settle(self, finite: bool, spans: Optional[Sequence[Tuple[int, int, int]]] = None) -> None:
         """The sums started since the last call are complete, and their results are finite on
         every rank (``finite``) or not. Keep the error feedback they computed, or drop it: a
         step skipped for non-finite averages leaves the error buffers as they were. A part
-        summed again before a call keeps its last round's."""
+        summed again before a call keeps its last round's. ``spans``: only the parts inside
+        these ``(segment, lo, hi)`` (a streaming fragment's), the others' sums still running."""
 
     @property
     def pending(self) -> bool:
@@ -82,24 +83,25 @@ class FeedbackChannel(Channel):
     its last round's."""
 
     def __init__(self) -> None:
-        self._pending: Dict[Any, Any] = {}  # key -> its state, summed since the last settle()
+        self._pending: Dict[Any, Tuple[Part, Any]] = {}  # key -> (its part, its state), summed since settle()
 
-    def _hold(self, key: Any, state: Any) -> None:
-        """``state``'s round (under ``key``) awaits :meth:`settle`; its last round, if it still
-        waits, stands."""
+    def _hold(self, key: Any, state: Any, part: Part) -> None:
+        """``state``'s round (under ``key``, for ``part``) awaits :meth:`settle`; its last round,
+        if it still waits, stands."""
         if key in self._pending:
-            self._pending[key].commit()
-        self._pending[key] = state
+            self._pending[key][1].commit()
+        self._pending[key] = (part, state)
 
     @property
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def settle(self, finite: bool) -> None:
-        if finite:
-            for state in self._pending.values():
-                state.commit()
-        self._pending.clear()
+    def settle(self, finite: bool, spans: Optional[Sequence[Tuple[int, int, int]]] = None) -> None:
+        for key, (part, state) in list(self._pending.items()):
+            if spans is None or any(seg == part.segment and lo <= part.lo and part.hi <= hi for seg, lo, hi in spans):
+                if finite:
+                    state.commit()
+                del self._pending[key]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -165,7 +165,7 @@ class _PowerChannel(FeedbackChannel):
         dtype, parties = part.values.dtype, self.comm.Get_size()
         matrices = [(self._matrix(entry, dtype), part.values[lo - part.lo:hi - part.lo]) for entry, lo, hi in compress]
         for (entry, _, _), (matrix, _) in zip(compress, matrices):
-            self._hold(entry, matrix)
+            self._hold(entry, matrix, part)
         first = Gathered(part, exact, extra=sum(m.p.numel() for m, _ in matrices))
         steps = sum_steps(self.comm, first.flat, lambda: self._ps(first, matrices), first.scatter)
         sent = allreduce_bytes(first.flat.numel() * first.flat.element_size(), parties)

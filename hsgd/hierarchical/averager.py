@@ -159,25 +159,33 @@ class HierarchicalAverager(Closable):
         """A round of sums across nodes is over (:meth:`average`, or the backward overlap's
         buckets) and its averages are in this rank's slot (``spans``, default every segment):
         the codec keeps the error feedback of the round if they are finite, else drops it (the
-        step is skipped). The averages are the same on every rank, so is the decision. Where
-        the codec asked, ``finite`` holds the answer until the next round."""
+        step is skipped). The averages are the same on every rank, so is the decision. Given
+        ``spans``, only the sums inside them are settled (a streaming fragment's: others may run on).
+        Where the codec asked about a whole round, ``finite`` holds the answer until the next."""
         own = self.slots.own
-        spans = spans or [(seg, 0, self.layout.numels[seg]) for seg in range(len(self.layout.dtypes))]
+        every = spans or [(seg, 0, self.layout.numels[seg]) for seg in range(len(self.layout.dtypes))]
         self.finite = None
 
         def finite() -> bool:
-            self.finite = all(bool(torch.isfinite(own(seg)[lo:hi]).all()) for seg, lo, hi in spans)
-            return self.finite
+            answer = all(bool(torch.isfinite(own(seg)[lo:hi]).all()) for seg, lo, hi in every)
+            if spans is None:
+                self.finite = answer
+            return answer
 
-        self.inter.settle(finite)
+        self.inter.settle(finite, spans)
+
+    @property
+    def feedback(self) -> bool:
+        """Whether its codec keeps error feedback (:meth:`state_dict` is then not ``None``)."""
+        codec = self.inter.codec
+        return codec is not None and codec.feedback
 
     def state_dict(self) -> Optional[Dict[str, Any]]:
         """The codec's state on this rank (its error feedback; ``None`` for a codec without) and
         where it belongs: the world's ranks and nodes, the strategy, this rank."""
-        codec = self.inter.codec
-        if codec is None or not codec.feedback:
+        if not self.feedback:
             return None
-        return {"where": self._where(), "codec": repr(codec), "state": self.inter.state_dict()}
+        return {"where": self._where(), "codec": repr(self.inter.codec), "state": self.inter.state_dict()}
 
     def _where(self) -> list:
         topo = self.topology

@@ -77,7 +77,7 @@ class HierarchicalEngine(HierarchicalAverager, Engine):
                  compression: Optional[Codec], zero_copy: bool = True, meter: Optional[Meter] = None) -> None:
         self.overlap: Optional[BackwardOverlap] = None
         self.outer: Optional[OuterLoop] = None
-        self._args = (params, compression)
+        self._params = params
         super().__init__(topology, _layout(params, bind), inter_node, compression, meter)
         with contextlib.ExitStack() as undo:  # if the binding fails: free the window
             undo.callback(super()._close)
@@ -89,11 +89,12 @@ class HierarchicalEngine(HierarchicalAverager, Engine):
         arguments but the averager and the binding). Collective."""
         self.overlap = BackwardOverlap(self, self.binding, **kwargs)
 
-    def start_outer(self, factory: OuterFactory, period: int, fragments: int, delay: int, alpha: float) -> None:
+    def start_outer(self, factory: OuterFactory, period: int, fragments: int, delay: int, alpha: float,
+                    compression: Optional[Codec] = None) -> None:
         """DiLoCo's outer step over the bound parameters (:class:`OuterLoop`'s arguments), in a
-        second window of the same layout and inter-node strategy. Collective."""
-        params, compression = self._args
-        self.outer = OuterLoop(self.topology, self.layout, self.inter_node, compression, params, factory,
+        second window of the same layout and inter-node strategy, its pseudo-gradients summed
+        across nodes through ``compression``. Collective."""
+        self.outer = OuterLoop(self.topology, self.layout, self.inter_node, compression, self._params, factory,
                                period, fragments, delay, alpha, meter=self.meter)
 
     def average_bound(self, level: str, weight: float, passes: int = 1) -> None:
@@ -183,11 +184,15 @@ class HierarchicalMode(SyncMode):
         state_dict = dict(state_dict)
         codec = state_dict.pop("hsgd_codec", None)
         super().load_state_dict(state_dict)
-        if self.rank_state_dict() is None:
-            return
-        if not self.engine.load_state_dict(codec) and self.topology.rank == 0:
-            warnings.warn("the compression's error feedback in this state was saved by another job (ranks, nodes, "
-                          "inter_node or compression) or is missing: it starts afresh", RuntimeWarning, stacklevel=2)
+        if self.engine.feedback:
+            self._load_codec(self.engine, codec)
+
+    def _load_codec(self, averager: HierarchicalAverager, state: Optional[Dict[str, Any]], what: str = "") -> None:
+        """Load ``averager``'s error feedback from ``state`` (collective), or start it afresh with a warning."""
+        if not averager.load_state_dict(state) and self.topology.rank == 0:
+            warnings.warn(f"the compression's error feedback {what}in this state was saved by another job (ranks, "
+                          "nodes, inter_node or compression) or is missing: it starts afresh", RuntimeWarning,
+                          stacklevel=3)
 
     def rank_state_dict(self) -> Optional[Dict[str, Any]]:
         """The part of :meth:`state_dict` that differs between ranks although the replicas do not:

@@ -18,12 +18,14 @@ averagings the ranks' models differ: evaluate and save their average
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .._core.settings import Boolean, Integer, Names, Real, setting
+from ..compression import OUTER_COMPRESSIONS, Codec, CodecChoice, Int8, OuterCompression, codec_of
 from ..errors import InputTypeError, InputValueError
 from .engine import HierarchicalEngine, HierarchicalMode
 from .outer import OuterFactory
@@ -68,7 +70,8 @@ class HierarchicalLocalSGD(HierarchicalMode):
         """:class:`HierarchicalLocalSGD`'s settings; ``fragments``, ``fragment_sync_delay`` and
         ``fragment_update_alpha`` need an outer step (``outer_optimizer``)."""
 
-        flags_off: ClassVar[Tuple[str, ...]] = ("fragments", "fragment_sync_delay", "fragment_update_alpha")
+        flags_off: ClassVar[Tuple[str, ...]] = ("fragments", "fragment_sync_delay", "fragment_update_alpha",
+                                                "outer_compression")
 
         intra_period: int = setting(1, "parameter averaging inside a node every N steps", Integer())
         inter_period: int = setting(1, "... and across nodes every intra_period * N steps", Integer())
@@ -85,17 +88,46 @@ class HierarchicalLocalSGD(HierarchicalMode):
             0.0, "a merged fragment is ALPHA * local + (1 - ALPHA) * global",
             Real(0, 1, hint="(0: take the global fragment, 1: keep the local one)"))
 
+        outer_compression: Union[OuterCompression, Codec] = setting(
+            "none", "none | fp16 | bf16 | int8 | int4, or a hsgd.compression codec of these: how DiLoCo's "
+                    "pseudo-gradients cross nodes (int8, int4: 8 or 4 bits and a scale per 256 values, with error "
+                    "feedback across outer rounds); the node average stays exact (docs/diloco.md)",
+            CodecChoice(OUTER_COMPRESSIONS, also=(None,)))
+
         def outer_step(self) -> bool:
             """Whether the global round is an outer step (DiLoCo's)."""
             return self.outer_optimizer is not None
 
+        def outer_codec(self) -> Optional[Codec]:
+            """The codec of the pseudo-gradients across nodes (``None``: exact sums). By name,
+            int8's and int4's blocks run on across tensors (``Int8(tensor_blocks=False)``): the
+            pseudo-gradient is one vector of the whole model, no block padded."""
+            codec = codec_of(self.outer_compression)
+            if isinstance(self.outer_compression, str) and isinstance(codec, Int8):
+                codec = dataclasses.replace(codec, tensor_blocks=False)
+            return codec
+
         def _check_together(self, names: Names) -> None:
             super()._check_together(names)
+            outer = self.outer_codec()
+            if self.outer_step() and self.codec() is not None:
+                name = self.compression if self.compression in OUTER_COMPRESSIONS else "int8"
+                raise InputValueError(f"with DiLoCo's outer step only the pseudo-gradients cross nodes: pass "
+                                      f"{names.given('outer_compression', name)} instead of "
+                                      f"{names.given('compression', self.compression)}")
+            if outer is not None and not self.outer_step():
+                raise InputValueError(f"{names('outer_compression')} compresses DiLoCo's pseudo-gradients: pass "
+                                      f"{names('outer_optimizer')} too (or use HierarchicalDiLoCo), or "
+                                      f"{names('compression')} for plain local SGD's averages")
+            if outer is not None and outer.whole_tensors:
+                raise InputValueError(f"{names('outer_compression')} takes {', '.join(OUTER_COMPRESSIONS)} or their "
+                                      f"codecs (Half, Int8, Int4), not {outer.name}")
             codec = self.codec()
             if codec is not None and codec.feedback:
                 raise InputValueError(f"{names.given('compression', self.compression)} keeps error feedback, for "
-                                      f"sums of gradients; local SGD and DiLoCo average parameters: use "
-                                      f"{names.given('compression', 'fp16')} or bf16 with them, or this compression "
+                                      f"sums of gradients; local SGD averages parameters: use "
+                                      f"{names.given('compression', 'fp16')} or bf16 with it, DiLoCo's "
+                                      f"{names('outer_compression')} (its pseudo-gradients), or this compression "
                                       f"with synchronous SGD (HierarchicalSGD, --sync sync)")
             if not self.outer_step() and (self.fragments != 1 or self.fragment_sync_delay
                                           or self.fragment_update_alpha):
@@ -125,7 +157,8 @@ class HierarchicalLocalSGD(HierarchicalMode):
             factory, settings = self._outer_factory(), self.settings
             if factory is not None:
                 engine.start_outer(factory, settings.intra_period * settings.inter_period, settings.fragments,
-                                   settings.fragment_sync_delay, float(settings.fragment_update_alpha))
+                                   settings.fragment_sync_delay, float(settings.fragment_update_alpha),
+                                   settings.outer_codec())
             undo.pop_all()
         return engine
 
@@ -153,11 +186,22 @@ class HierarchicalLocalSGD(HierarchicalMode):
     def state_dict(self) -> Dict[str, Any]:
         """The inner optimizer's state and step count; with ``outer_optimizer`` also
         ``"hsgd_outer"``: the global parameters, the outer optimizers' state and this rank's
-        pseudo-gradients in flight."""
+        pseudo-gradients in flight; with an ``outer_compression`` that keeps error feedback,
+        ``"hsgd_outer_codec"``: this rank's part of it (in :meth:`rank_state_dict`)."""
         state = super().state_dict()
         if self.engine.outer is not None:
             state["hsgd_outer"] = self.engine.outer.state_dict()
         return state
+
+    def rank_state_dict(self) -> Optional[Dict[str, Any]]:
+        """:class:`~hsgd.hierarchical.engine.HierarchicalMode`'s, and ``"hsgd_outer_codec"``: the
+        error feedback of the pseudo-gradients that this rank keeps for its node (with an
+        ``outer_compression`` that keeps one)."""
+        state = super().rank_state_dict()
+        outer = self.engine.outer
+        if outer is None or not outer.window.feedback:
+            return state
+        return {**(state or {}), "hsgd_outer_codec": outer.window.state_dict()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned: the inner optimizer's state and step count and,
@@ -166,6 +210,7 @@ class HierarchicalLocalSGD(HierarchicalMode):
         and this one has none, or the other way round."""
         state_dict = dict(state_dict)
         outer = state_dict.pop("hsgd_outer", None)
+        outer_codec = state_dict.pop("hsgd_outer_codec", None)
         engine_outer = self.engine.outer
         if (outer is None) != (engine_outer is None):
             raise InputValueError("the optimizer state is from a run " + ("without" if outer is None else "with")
@@ -173,12 +218,16 @@ class HierarchicalLocalSGD(HierarchicalMode):
         super().load_state_dict(state_dict)
         if outer is not None and engine_outer is not None:
             engine_outer.load_state_dict(outer)
+            if engine_outer.window.feedback:  # after the sums in flight were drained
+                self._load_codec(engine_outer.window, outer_codec, "of the pseudo-gradients ")
 
     def merge_state_dicts(self, states: Sequence[Dict[str, Any]], world_size: int) -> Dict[str, Any]:
         """The mean of the old ranks' states (the inner optimizers' too); ``θ_g`` and the outer
         state are the same on every rank. A streaming fragment in flight is sent again by every
         new rank with the mean of the old ranks' contributions, so its sum over the new ranks,
         divided by their number, is the old ranks' mean: the merge it was to make."""
+        # the error feedback belongs to a node of the old layout: it starts afresh (said at the load)
+        states = [{k: v for k, v in state.items() if k not in ("hsgd_codec", "hsgd_outer_codec")} for state in states]
         merged = super().merge_state_dicts(states, world_size)
         if "hsgd_outer" in merged:
             merged["hsgd_outer"]["world_size"] = world_size

@@ -11,12 +11,14 @@ model over the round is a *pseudo-gradient*::
 Streaming DiLoCo (Douillard et al. 2025, https://arxiv.org/abs/2501.18512): fragments
 that sync at staggered steps (:class:`OuterLoop`). Every rank runs the same schedule,
 so the node's fences and the level-2 sums meet. A checkpoint holds ``θ_g``, the outer
-optimizers' state and a fragment in flight's own part (sent again on resume).
+optimizers' state and a fragment in flight's own part (sent again on resume, through the
+codec's error feedback as it was before that round: the resumed sum is the unstopped one).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import collections
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,7 +57,8 @@ class OuterLoop(Closable):
     """The outer optimizer(s), ``θ_g`` and the pseudo-gradient window of one mode. Collective.
 
     Args:
-        topology, layout, inter_node, compression: the second window's, as the parameters'.
+        topology, layout, inter_node: the second window's, as the parameters'.
+        compression: the codec of the pseudo-gradients' sums across nodes (``None``: exact).
         params: the trained parameters (their values are the replica ``θ``).
         factory: ``factory(params) -> torch.optim.Optimizer`` over ``θ_g``'s tensors; called
             once per fragment.
@@ -76,7 +79,9 @@ class OuterLoop(Closable):
     parameters, views into the first one, are never overwritten by a sum in flight. A
     fragment's sync is a node reduce to the node's first slot, the level-2 sum of that span
     started without waiting (moved on at every step), and at its merge step the wait and
-    the spread back. Compression applies to those level-2 sums of ``Δ``.
+    the spread back. ``compression`` (``outer_compression``) applies to those level-2 sums
+    of ``Δ``; a codec's error feedback (int8, int4) is kept per fragment, settled at its
+    merge, and carried to the fragment's next round.
     """
 
     def __init__(self, topology, layout, inter_node: str, compression: Optional[Codec],
@@ -96,9 +101,10 @@ class OuterLoop(Closable):
         self.window = HierarchicalAverager(topology, layout, inter_node, compression, meter)
         self.meter = self.window.meter
         self.views = slot_views(self.window, params)
-        # fragment -> (start step, [Pending or None per span], this rank's contribution or None)
+        # fragment -> (start step, [its queued sum or None per span], this rank's contribution or None)
         self.in_flight: Dict[int, Tuple[int, list, Optional[List[torch.Tensor]]]] = {}
         self._resend: Dict[int, Tuple[int, List[torch.Tensor]]] = {}
+        self._sums = _Queue()
         self._opened()
 
     # --- the schedule --------------------------------------------------------------------------
@@ -119,10 +125,7 @@ class OuterLoop(Closable):
         for f, (start, contribution) in sorted(self._resend.items()):
             self._send(f, start, contribution)
         self._resend.clear()
-        for _, pendings, _ in self.in_flight.values():
-            for pending in pendings:
-                if pending is not None:
-                    pending.test()
+        self._sums.test()
         for f in sorted(f for f, (start, _, _) in self.in_flight.items() if start + self.delay == step):
             self._merge(f)
         for f in range(self.fragments):
@@ -158,12 +161,12 @@ class OuterLoop(Closable):
             return None
         with self.meter.phase("intra"):
             self._fenced(window.reduce_of, span)
-        return window.start_across(span)
+        return self._sums.push(lambda: window.start_across(span))
 
-    def _end(self, span: Span, pending) -> None:
-        if pending is None:
+    def _end(self, span: Span, queued) -> None:
+        if queued is None:
             return
-        pending.wait()
+        self._sums.wait(queued)
         with self.meter.phase("intra"):
             self._fenced(self.window.spread_of, span, 1.0 / self.topology.size)
 
@@ -176,6 +179,9 @@ class OuterLoop(Closable):
         _, pendings, _ = self.in_flight.pop(f)
         for span, pending in zip(self.spans[f], pendings):
             self._end(span, pending)
+        # the codec's error feedback of this fragment's sums (kept if its Δ is finite); the other
+        # fragments' sums in flight keep theirs pending
+        self.window.settle(self.spans[f])
         a, b = self.groups[f]
         with torch.no_grad():
             for i in range(a, b):
@@ -222,6 +228,52 @@ class OuterLoop(Closable):
     def _close(self) -> None:
         self._drain()
         self.window.close()
+
+
+class _Queued:
+    """One span's level-2 sum: ``start()`` gives its :class:`~hsgd.inter_node.Pending`."""
+
+    def __init__(self, start: Callable[[], Any]):
+        self.start = start
+        self.pending: Optional[Any] = None  # its Pending, once started
+
+    @property
+    def done(self) -> bool:
+        return self.pending is not None and self.pending.done
+
+
+class _Queue:
+    """The level-2 sums in flight, run one after another in the order they were queued. A sum
+    starts its next step when its last one completed, which ranks see at different times: two
+    sums moved on side by side (two streaming fragments in flight, or a codec's two steps)
+    would start MPI's collectives in another order on each rank. One at a time, every rank
+    starts them in the queue's order."""
+
+    def __init__(self) -> None:
+        self.queue: Deque[_Queued] = collections.deque()  # the first one started
+
+    def push(self, start: Callable[[], Any]) -> _Queued:
+        queued = _Queued(start)
+        self.queue.append(queued)
+        self.test()
+        return queued
+
+    def _head(self):
+        head = self.queue[0]
+        if head.pending is None:
+            head.pending = head.start()
+        return head.pending
+
+    def test(self) -> None:
+        """Move the sums on without waiting."""
+        while self.queue and self._head().test():
+            self.queue.popleft()
+
+    def wait(self, queued: _Queued) -> None:
+        """Wait until ``queued`` is done (and every sum queued before it)."""
+        while not queued.done:
+            self._head().wait()
+            self.queue.popleft()
 
 
 def _spans(layout, params, a: int, b: int) -> List[Span]:

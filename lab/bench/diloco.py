@@ -5,24 +5,30 @@ One command (each run is ``mpiexec -n RANKS python -m hsgd.train``)::
     python -m lab.bench diloco                         # 4 ranks as 2 virtual nodes, the gpt workload
     python -m lab.bench diloco --period 4 8 --fragments 4 --epochs 2
     python -m lab.bench diloco --hosts 2 --ranks-per-host 2 --link 1gbit   # as root: across hosts
+    python -m lab.bench diloco --methods sync diloco --outer-compression none int8 int4 --png gap.png
 
 Every run trains the same model on the same data for the same number of steps, one
-run at a time: ``sync``, ``local H``, ``diloco H`` and ``streaming H/F``; options this
-benchmark does not know go to ``python -m hsgd.train``. The table gives the final
-validation loss and the inter-node bytes against ``sync``'s. What each run and column
-is: docs/benchmark-methods.md (``diloco``).
+run at a time: ``sync``, ``local H``, ``diloco H`` and ``streaming H/F`` (``--methods``),
+DiLoCo's once per ``--outer-compression``; options this benchmark does not know go to
+``python -m hsgd.train``. The table gives the final validation loss and the inter-node
+bytes against ``sync``'s; ``--png`` draws each DiLoCo run's gap to ``sync`` at every
+epoch's evaluation against its outer rounds. What each run and column is:
+docs/benchmark-methods.md (``diloco``).
 """
 
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 from hsgd.bench._harness import Progress, Result, Table, int_at_least, positive_float
+from hsgd.compression import OUTER_COMPRESSIONS
 
 from ._launch import check_hosts_options, placement
 from ._training import Runs, add_run_options
 
 PASSES_ON = True  # options this module does not know go to python -m hsgd.train
+METHODS = ("sync", "local", "diloco", "streaming")
 WORKLOAD = ("--model", "gpt")  # hsgd.train's defaults for the rest (data: the Python standard library)
 
 
@@ -36,6 +42,12 @@ def add_arguments(p) -> None:
     p.add_argument("--delay", type=int_at_least(0), default=1, help="--fragment-sync-delay of the streaming runs (1)")
     p.add_argument("--outer-lr", type=positive_float, default=0.7, help="DiLoCo's outer lr (0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum (0.9)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help=f"the runs to make, sync always first ({' '.join(METHODS)})")
+    p.add_argument("--outer-compression", nargs="+", default=["none"], choices=OUTER_COMPRESSIONS,
+                   help="the pseudo-gradients' compressions of the diloco and streaming runs, one run each (none)")
+    p.add_argument("--png", type=Path, default=None, metavar="PATH",
+                   help="draw each DiLoCo run's validation loss gap to sync against its outer rounds here")
     add_run_options(p, data="the token data set")
 
 
@@ -45,18 +57,48 @@ def check(args, extra, parser) -> None:
         parser.error(f"--outer-momentum must be in (0, 1) (Nesterov), got {args.outer_momentum}")
     if any(args.delay >= h for h in args.period):
         parser.error(f"--delay {args.delay} must be below every --period {args.period}")
+    if args.png is not None and not args.png.parent.is_dir():
+        parser.error(f"argument --png: the directory {args.png.parent} does not exist")
 
 
 def _runs(args):
-    yield "sync", ["--sync", "sync"]
+    """``(name, period or None, trainer options)`` of every run, ``sync`` first."""
+    yield "sync", None, ["--sync", "sync"]
     for h in args.period:
         periods = ["--intra-period", "1", "--inter-period", str(h)]
-        yield f"local {h}", ["--sync", "local", *periods]
-        diloco = ["--sync", "diloco", *periods, "--outer-lr", str(args.outer_lr),
-                  "--outer-momentum", str(args.outer_momentum)]
-        yield f"diloco {h}", diloco
-        yield f"streaming {h}/{args.fragments}", [*diloco, "--fragments", str(args.fragments),
-                                                  "--fragment-sync-delay", str(args.delay)]
+        if "local" in args.methods:
+            yield f"local {h}", h, ["--sync", "local", *periods]
+        for codec in args.outer_compression:
+            diloco = ["--sync", "diloco", *periods, "--outer-lr", str(args.outer_lr),
+                      "--outer-momentum", str(args.outer_momentum), "--outer-compression", codec]
+            tag = "" if codec == "none" else f" {codec}"
+            if "diloco" in args.methods:
+                yield f"diloco {h}{tag}", h, diloco
+            if "streaming" in args.methods:
+                yield f"streaming {h}/{args.fragments}{tag}", h, [*diloco, "--fragments", str(args.fragments),
+                                                                  "--fragment-sync-delay", str(args.delay)]
+
+
+def _draw(rows, png: Path) -> None:
+    """Each outer-step run's gap to sync at every epoch's evaluation, against its outer rounds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sync = {step: loss for step, loss in rows[0]["curve"]}
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for r in rows[1:]:
+        if r["period"] is None or r["run"].startswith("local"):
+            continue
+        points = [(step / r["period"], 100 * (loss / sync[step] - 1)) for step, loss in r["curve"] if step in sync]
+        ax.plot(*zip(*points), marker="o", label=r["run"])
+    ax.axhline(2.0, color="gray", linestyle="--", linewidth=1, label="2% (target)")
+    ax.set_xlabel("outer rounds")
+    ax.set_ylabel("validation loss above sync (%)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
 
 
 def run(args, extra) -> Result:
@@ -69,10 +111,11 @@ def run(args, extra) -> Result:
         if where is None:
             common += ["--ranks-per-node", str(args.ranks_per_node)]
         train = Runs(ranks, tmp, args.cache_dir, common, args.warmup, progress, where=where)
-        for name, options in runs:
+        for name, period, options in runs:
             epochs, seconds = train(*options)
             last = epochs[-1]
-            rows.append({"run": name, "options": options, "val_loss": last["test_loss"],
+            rows.append({"run": name, "options": options, "period": period, "val_loss": last["test_loss"],
+                         "curve": [(e["step"], e["test_loss"]) for e in epochs],
                          "bits_per_byte": last.get("test_bpb"), "steps": last["step"],
                          "inter_bytes": sum(e["inter_bytes"] for e in epochs),
                          "peak_step_bytes": max((s.get("own_inter_bytes", 0) for s in train.steps), default=0),
@@ -89,4 +132,6 @@ def run(args, extra) -> Result:
                            f"{100 * (r['val_loss'] / sync['val_loss'] - 1):+.2f}%", bpb,
                            f"{r['inter_bytes'] / 1e6:.1f}", f"{ratio:.1f}x", f"{r['peak_step_bytes'] / 1e6:.2f}",
                            f"{r['seconds']:.0f}"])
+    if args.png is not None:
+        _draw(rows, args.png)
     return Result([table], rows)

@@ -90,10 +90,11 @@ def _tensorboard_scalars(path):
 
 LOCAL_SGD = ["--sync", "local", "--intra-period", "2", "--inter-period", "2",
              "--ranks-per-node", "1", "--compression", "bf16"]
-# period 6, fragment 1 syncs after steps 3, 9, 15, 21 and merges 2 steps later: in flight at step 23
+# period 6, fragment 1 syncs after steps 3, 9, 15, 21 and merges 2 steps later: in flight at step 23,
+# its pseudo-gradients across the two nodes in int8 with error feedback (in the checkpoint's rank states)
 STREAMING_DILOCO = ["--sync", "diloco", "--intra-period", "2", "--inter-period", "3", "--ranks-per-node", "1",
                     "--fragments", "2", "--fragment-sync-delay", "2", "--fragment-update-alpha", "0.5",
-                    "--compression", "bf16"]
+                    "--outer-compression", "int8"]
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,11 @@ import warnings
 import pytest
 import torch
 from _models import LAYOUTS, fixed_batch, mlp, shard
+from _quantized import Int8Simulation
 from mpi4py import MPI
 
 from hsgd import HierarchicalLocalSGD, HierarchicalSGD, InputError, Topology
-from hsgd.compression import Int8, PowerSGD
+from hsgd.compression import Int4, Int8, PowerSGD
 from hsgd.hierarchical import HierarchicalAverager
 from hsgd.intra_node import Layout, slice_bounds
 
@@ -65,77 +66,25 @@ def read(avg, lay):
     return [avg.own(seg)[off:off + n].clone() for (seg, off), n in zip(lay.places, lay.sizes)]
 
 
-# --- int8: the same algorithm in one process -------------------------------------------------
-def quantize(x, levels=127):
-    scale = (x.abs().amax(dim=1) / levels).float()
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(x / safe[:, None]).clamp(-levels, levels).to(torch.int8)
-    return q.float() * scale[:, None]
-
-
-class Int8Simulation:
-    """Every node's int8 sums of one part ``[lo, hi)`` of the (one) segment, with their errors."""
-
-    def __init__(self, lay, lo, hi, block, chunk_blocks, parties):
-        self.block, self.parties = block, parties
-        self.ranges, self.exact = [], []
-        for e, ((_, off), n) in enumerate(zip(lay.places, lay.sizes)):
-            a, b = max(off, lo), min(off + n, hi)
-            if a < b:
-                (self.exact if e in lay.exact else self.ranges).append((e, a - off, b - off))
-        self.blocks = sum(-(-(b - a) // block) for _, a, b in self.ranges)
-        self.chunks = [(f, min(chunk_blocks, self.blocks - f)) for f in range(0, self.blocks, chunk_blocks)]
-        self.errors = [torch.zeros(self.blocks, block) for _ in range(parties)]
-        self.server = torch.zeros(self.blocks, block)  # every party's share, in place
-
-    def run(self, sums):
-        """``sums[i]``: node i's values per entry; returns the summed values per entry (in place)."""
-        sent = []
-        for i in range(self.parties):
-            flat = torch.zeros(self.blocks, self.block)
-            at = 0
-            for e, a, b in self.ranges:
-                flat.view(-1)[at * self.block:at * self.block + b - a] = sums[i][e][a:b]
-                at += -(-(b - a) // self.block)
-            flat += self.errors[i]
-            sent.append(quantize(flat))
-            self.errors[i] = flat - sent[-1]
-        total = torch.empty(self.blocks, self.block)
-        for first, n in self.chunks:
-            counts = [n // self.parties + (j < n % self.parties) for j in range(self.parties)]
-            for j in range(self.parties):
-                rows = slice(first + sum(counts[:j]), first + sum(counts[:j + 1]))
-                s = self.server[rows].clone()
-                for i in range(self.parties):
-                    s += sent[i][rows]
-                total[rows] = quantize(s)
-                self.server[rows] = s - total[rows]
-        out = [t.clone() for t in sums[0]]
-        at = 0
-        for e, a, b in self.ranges:
-            out[e][a:b] = total.view(-1)[at * self.block:at * self.block + b - a]
-            at += -(-(b - a) // self.block)
-        for e, a, b in self.exact:
-            out[e][a:b] = sum(s[e][a:b] for s in sums)
-        return out
-
-
 @across_nodes
 @pytest.mark.filterwarnings("ignore:inter_node='sharded' needs nodes")
 @pytest.mark.parametrize("strategy", ["leader", "sharded"])
-def test_int8_matches_a_simulation_of_every_node_bit_for_bit(comm, monkeypatch, strategy):
+@pytest.mark.parametrize("codec", [Int8(block=16), Int4(block=16)], ids=["int8", "int4"])
+def test_int8_matches_a_simulation_of_every_node_bit_for_bit(comm, monkeypatch, strategy, codec):
     """Blocks of 16 in chunks of 5 blocks (the chunks' shares uneven), over 3 rounds: the error
-    buffers carry over; leader: the whole segment; sharded: each local rank its slice."""
+    buffers carry over; leader: the whole segment; sharded: each local rank its slice. int4:
+    the same in 4 bits, two values a byte."""
     from hsgd import inter_node
 
-    monkeypatch.setattr(inter_node, "CHUNK_BYTES", 5 * (4 + 16))
+    monkeypatch.setattr(inter_node, "CHUNK_BYTES", 5 * (4 + 16 * codec.bits // 8))
     topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[strategy](comm))
     lay = layout()
-    avg = HierarchicalAverager(topo, lay, strategy, Int8(block=16))
+    avg = HierarchicalAverager(topo, lay, strategy, codec)
     nodes, total = nodes_of(comm, topo), lay.numels[0]
     parts = [(0, total)] if strategy == "leader" else \
         [slice_bounds(total, topo.local_size, i) for i in range(topo.local_size)]
-    sims = [Int8Simulation(lay, lo, hi, 16, 5, len(nodes)) for lo, hi in parts]
+    levels = 2 ** (codec.bits - 1) - 1
+    sims = [Int8Simulation(lay, lo, hi, 16, 5, len(nodes), levels) for lo, hi in parts]
     for round_ in range(3):
         write(avg, lay, rank_values(comm.rank, round_))
         avg.average("global")
@@ -376,5 +325,5 @@ def test_bad_codec_settings_are_one_error_on_every_rank(comm, kwargs, match):
 @pytest.mark.parametrize("compression", ["int8", PowerSGD(rank=2)])
 def test_local_sgd_refuses_the_codecs_with_error_feedback(comm, compression):
     model = mlp(torch.float32)
-    with pytest.raises(InputError, match="average parameters"):
+    with pytest.raises(InputError, match="averages parameters"):
         HierarchicalLocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, compression=compression)

@@ -9,8 +9,8 @@ import torch
 from hsgd import InputTypeError, InputValueError
 from hsgd._trainer.config import parse_config
 from hsgd._trainer.mode_flags import mode_settings
-from hsgd.compression import COMPRESSIONS, CodecChoice, Half, Int8, PowerSGD, codec_of
-from hsgd.compression.int8 import dequantize, quantize
+from hsgd.compression import COMPRESSIONS, CodecChoice, Half, Int4, Int8, PowerSGD, codec_of
+from hsgd.compression.int8 import dequantize, pack, quantize, unpack
 from hsgd.compression.powersgd import orthogonalize
 from hsgd.intra_node import Layout
 
@@ -83,7 +83,19 @@ def test_names_and_objects():
         CodecChoice(COMPRESSIONS)("compression", PowerSGD)
 
 
+def test_int4_packs_two_values_a_byte_and_back():
+    q = torch.arange(-7, 8, dtype=torch.int8).repeat(2)[:28].view(2, 14)
+    packed = pack(q, 4)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 7)
+    assert torch.equal(unpack(packed, 4), q) and torch.equal(unpack(pack(q, 8), 8), q)
+    assert codec_of("int4") == Int4() and Int4().name == "int4" and Int4().feedback
+    with pytest.raises(InputValueError, match="even"):
+        Int4(block=255).check("outer_compression")
+
+
 def test_trainer_flags_name_the_codec():
+    outer = mode_settings(parse_config(["--sync", "diloco", "--outer-compression", "int4"])).outer_codec()
+    assert outer == Int4(tensor_blocks=False)  # the pseudo-gradients' blocks run on across tensors
     settings = mode_settings(parse_config(["--compression", "powersgd", "--powersgd-rank", "2"]))
     assert settings.codec() == PowerSGD(rank=2)
     assert mode_settings(parse_config(["--compression", "int8"])).codec() == Int8()
@@ -92,8 +104,9 @@ def test_trainer_flags_name_the_codec():
 @pytest.mark.parametrize("argv,problem", [
     (["--compression", "int8", "--sync", "gossip"], "--sync gossip has none: use --sync sync"),
     (["--compression", "powersgd", "--sync", "elastic"], "--sync elastic has none: use --sync sync"),
-    (["--compression", "int8", "--sync", "local"], "local SGD and DiLoCo average parameters"),
-    (["--compression", "powersgd", "--sync", "diloco"], "average parameters"),
+    (["--compression", "int8", "--sync", "local"], "local SGD averages parameters"),
+    (["--compression", "powersgd", "--sync", "diloco"], "pass --outer-compression int8 instead of --compression"),
+    (["--compression", "fp16", "--sync", "diloco"], "pass --outer-compression fp16 instead of --compression fp16"),
     (["--compression", "powersgd", "--inter-node", "sharded"], "--inter-node leader"),
     (["--compression", "int8", "--powersgd-rank", "2"], "--powersgd-rank sets the rank of --compression powersgd"),
     (["--compression", "powersgd", "--powersgd-rank", "0"], "Invalid --powersgd-rank: 0"),
