@@ -92,7 +92,7 @@ class StallSettings:
         abort_after: abort the job after a wait this long (``None``: ``HSGD_STALL_ABORT_AFTER``
             or 600; 0: never).
         abort_pace: abort the job after a wait this many times the rank's slowest recent step
-            (:class:`Pace`; ``None``: ``HSGD_STALL_ABORT_PACE`` or 0: never).
+            (``Pace``; ``None``: ``HSGD_STALL_ABORT_PACE`` or 0: never).
     """
 
     timeout: Optional[float] = None
@@ -140,7 +140,7 @@ class StallInspector:
         abort_after: abort the job after a wait this long (``None``: ``HSGD_STALL_ABORT_AFTER``
             or 600; 0: never).
         abort_pace: abort the job after a wait ``abort_pace`` times this rank's slowest recent
-            step, at least ``PACE_FLOOR_S`` (:class:`Pace`; ``None``: ``HSGD_STALL_ABORT_PACE`` or
+            step, at least ``PACE_FLOOR_S`` (``Pace``; ``None``: ``HSGD_STALL_ABORT_PACE`` or
             0: never). ``python -m hsgd.run`` sets it for its jobs.
 
     The watchdog wakes every ``timeout / 4`` seconds (at most every second) and reports
@@ -259,11 +259,14 @@ class StallInspector:
             reported = (since, count + 1)
             self._report(waited, names or "none (all arrived)")
             if self.abort or ending:
-                why = f"{ABORT_ENV}/stall_abort" if self.abort else \
-                    f"waited {waited:.0f} s, longer than stall_abort_after / {ABORT_AFTER_ENV} = {self.abort_after:g} s" \
-                    if limit == self.abort_after else \
-                    f"waited {waited:.1f} s, longer than {limit:.1f} s: stall_abort_pace / {ABORT_PACE_ENV} = " \
-                    f"{self.pace.factor:g} x this rank's slowest recent step, at least {self.pace.floor:g} s"
+                if self.abort:
+                    why = f"{ABORT_ENV}/stall_abort"
+                elif limit == self.abort_after:
+                    why = f"waited {waited:.0f} s, longer than stall_abort_after / {ABORT_AFTER_ENV} = " \
+                          f"{self.abort_after:g} s"
+                else:
+                    why = f"waited {waited:.1f} s, longer than {limit:.1f} s: stall_abort_pace / {ABORT_PACE_ENV} " \
+                          f"= {self.pace.factor:g} x this rank's slowest recent step, at least {self.pace.floor:g} s"
                 self._abort(why, waited)
 
     def _abort(self, why: str, waited: float) -> None:

@@ -169,8 +169,9 @@ def run(args, extra) -> Result:
                          f"{TARGET_SLACK_S:g} s; 'lost': from the kill to the new job's step record at the step "
                          "the old one had reached"])
     for r in rows:
-        table.rows.append([r["fault"], r["host"], str(r["at_step"]), str(r["from_step"]), f"{r['detect']:.2f}", f"{r['end']:.2f}",
-                           f"{r['probe']:.2f}", f"{r['startup']:.2f}", f"{r['load']:.2f}", f"{r['redo']:.2f}",
+        table.rows.append([r["fault"], r["host"], str(r["at_step"]), str(r["from_step"]), f"{r['detect']:.2f}",
+                           f"{r['end']:.2f}", f"{r['probe']:.2f}", f"{r['startup']:.2f}", f"{r['load']:.2f}",
+                           f"{r['redo']:.2f}",
                            f"{r['lost']:.1f}", f"{r['target']:.1f}", "yes" if r["lost"] <= r["target"] else "no",
                            f"{100 * r['acc']:.2f}", f"{100 * r['base_acc']:.2f}"])
     return Result([table], rows)
