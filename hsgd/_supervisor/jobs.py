@@ -21,7 +21,7 @@ from ..bench._launcher import kill_tree, root_env
 from .hostlist import Host
 from .journal import JobRecords, Journal
 
-__all__ = ["LAUNCHERS", "PROBE_ANSWER", "launch_command", "probe_command", "launcher_env", "run_job", "FORWARDED"]
+__all__ = ["LAUNCHERS", "launch_command", "probe_command", "launcher_env", "run_job", "FORWARDED"]
 
 LAUNCHERS = ("mpich", "openmpi", "srun")
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -45,12 +45,9 @@ def launch_command(launcher: str, mpiexec: str, extra: Sequence[str], hosts: Seq
     return [mpiexec if launcher != "srun" else "srun", *extra, *passed, *_placement(launcher, hosts), *program]
 
 
-PROBE_ANSWER = "hsgd-probe-answered"
-
-
 def probe_command(launcher: str, mpiexec: str, extra: Sequence[str], host: Host) -> List[str]:
-    """The command line that prints ``PROBE_ANSWER`` on ``host``, started the way the job starts its ranks."""
-    return launch_command(launcher, mpiexec, extra, [Host(host.name, 1)], ["echo", PROBE_ANSWER])
+    """The command line that starts ``true`` on ``host`` the way the job starts its ranks."""
+    return launch_command(launcher, mpiexec, extra, [Host(host.name, 1)], ["true"])
 
 
 def launcher_env(launcher: str, env: Dict[str, str]) -> Dict[str, str]:

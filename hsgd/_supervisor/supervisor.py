@@ -27,7 +27,7 @@ from typing import List, Optional
 from ..bench._launcher import mpi_flavour, mpiexec
 from ..errors import InputError, InputValueError
 from .hostlist import Host, check_resolvable, probe, read_hosts_file, slurm_hosts
-from .jobs import PROBE_ANSWER, launch_command, launcher_env, probe_command, run_job
+from .jobs import launch_command, launcher_env, probe_command, run_job
 from .journal import JobRecords, Journal
 
 __all__ = ["Supervisor", "PROG", "EXIT_BAD_INPUT", "EXIT_REQUEUE", "ABORT_PACE_ENV", "DEFAULT_ABORT_PACE"]
@@ -127,7 +127,7 @@ class Supervisor:
         except InputError as exc:
             _say(f"warning: {exc}; probing the hosts listed before")
         return probe(self.listed, lambda h: probe_command(self.launcher, self.mpiexec, self.extra, h),
-                     self.args.probe_timeout, launcher_env(self.launcher, self.env), PROBE_ANSWER)
+                     self.args.probe_timeout, launcher_env(self.launcher, self.env))
 
     def launch(self, hosts: List[Host], first: bool, journal: Journal, on_records) -> tuple:
         """Run the trainer on ``hosts`` to its end: ``(exit status, JobRecords, signal or None)``."""
