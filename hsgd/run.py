@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=3, metavar="N", help="restarts after lost hosts (3)")
     p.add_argument("--probe-timeout", type=float, default=5.0, metavar="S",
                    help="seconds a host has to start a process before it counts as lost (5)")
+    p.add_argument("--stall-abort-pace", type=float, metavar="K", help="end a job whose ranks wait K times "
+                   "their slowest recent step (at least 3 s) for a rank that is gone: the stall inspector's "
+                   "HSGD_STALL_ABORT_PACE, set for the job (default: the environment's, else 20; 0: off)")
     p.add_argument("trainer", nargs=argparse.REMAINDER, help="after --: the options of python -m hsgd.train "
                    "(--run-dir is needed: the checkpoints and metrics.jsonl are found there)")
     return p

@@ -109,8 +109,8 @@ class SyncMode(InnerOptimizer, GradScalerStep, Closable):
             checked and compared across ranks.
         stall: the stall inspector (``hsgd.faults.stall``), which reports the ranks missing
             from a synchronization that waits too long and ends a job that waits for good:
-            ``None`` (the mode's own, set by ``HSGD_STALL_TIMEOUT``, ``HSGD_STALL_ABORT`` and
-            ``HSGD_STALL_ABORT_AFTER``), a :class:`~hsgd.faults.stall.StallSettings` (the
+            ``None`` (the mode's own, set by ``HSGD_STALL_TIMEOUT``, ``HSGD_STALL_ABORT``,
+            ``HSGD_STALL_ABORT_AFTER`` and ``HSGD_STALL_ABORT_PACE``), a :class:`~hsgd.faults.stall.StallSettings` (the
             mode's own, e.g. ``StallSettings(timeout=30)``), or a
             :class:`~hsgd.faults.stall.StallInspector` built over the same ranks
             (``topology.comm``) by the caller, who also waits under it (the trainer, whose own
@@ -158,7 +158,8 @@ class SyncMode(InnerOptimizer, GradScalerStep, Closable):
                 self.stall = stall
             else:
                 own = stall or StallSettings()
-                self.stall = StallInspector(self.topology.comm, own.timeout, own.abort, own.abort_after)
+                self.stall = StallInspector(self.topology.comm, own.timeout, own.abort, own.abort_after,
+                                            own.abort_pace)
             undo.pop_all()
         self._opened()
 

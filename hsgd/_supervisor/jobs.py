@@ -37,9 +37,12 @@ def _placement(launcher: str, hosts: Sequence[Host]) -> List[str]:
 
 
 def launch_command(launcher: str, mpiexec: str, extra: Sequence[str], hosts: Sequence[Host],
-                   program: Sequence[str]) -> List[str]:
-    """The command line that runs ``program`` with ``host.ranks`` ranks on each of ``hosts``."""
-    return [mpiexec if launcher != "srun" else "srun", *extra, *_placement(launcher, hosts), *program]
+                   program: Sequence[str], forward: Sequence[str] = ()) -> List[str]:
+    """The command line that runs ``program`` with ``host.ranks`` ranks on each of ``hosts``,
+    with the environment variables named in ``forward`` in the ranks' environment (hydra and
+    srun pass on the whole environment; Open MPI's launcher only what ``-x`` names)."""
+    passed = [word for name in forward for word in ("-x", name)] if launcher == "openmpi" else []
+    return [mpiexec if launcher != "srun" else "srun", *extra, *passed, *_placement(launcher, hosts), *program]
 
 
 def probe_command(launcher: str, mpiexec: str, extra: Sequence[str], host: Host) -> List[str]:

@@ -10,7 +10,9 @@ job no longer answers the probe (MPI ended the job when it lost the host's proce
 the stall inspector said ranks were missing; then the job restarts on the hosts that
 answer. A restart's ``restart`` record is written once the new job has caught up with the
 old one's last step record, or has ended: ``seconds_lost`` is the time between those two
-step records, less the steps between them at the old pace.
+step records, less the steps between them at the old pace. A host lost without a word (no
+connection reset: a power loss, a partition) is seen by the stall inspector alone: its
+jobs run with ``HSGD_STALL_ABORT_PACE`` (``--stall-abort-pace``) set.
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ from .hostlist import Host, check_resolvable, probe, read_hosts_file, slurm_host
 from .jobs import launch_command, launcher_env, probe_command, run_job
 from .journal import JobRecords, Journal
 
-__all__ = ["Supervisor", "PROG", "EXIT_BAD_INPUT", "EXIT_REQUEUE"]
+__all__ = ["Supervisor", "PROG", "EXIT_BAD_INPUT", "EXIT_REQUEUE", "ABORT_PACE_ENV", "DEFAULT_ABORT_PACE"]
 
 PROG = "python -m hsgd.run"
+ABORT_PACE_ENV = "HSGD_STALL_ABORT_PACE"  # hsgd.faults.stall's, which imports torch: not here
+# A wait of 20 of a rank's slowest recent steps (at least 3 s) ends a job: without it a host
+# that dies without closing its connections is seen after stall_abort_after (600 s)
+DEFAULT_ABORT_PACE = 20.0
 EXIT_BAD_INPUT = 2
 EXIT_REQUEUE = 75  # the trainer's after a signal; here also: too few hosts answer, requeue elsewhere
 
@@ -81,6 +87,12 @@ class Supervisor:
                 raise InputValueError(f"{name} must be >= {low}, got {value}")
         if not args.probe_timeout > 0:
             raise InputValueError(f"--probe-timeout must be positive seconds, got {args.probe_timeout}")
+        if args.stall_abort_pace is not None:
+            if not 0 <= args.stall_abort_pace < float("inf"):
+                raise InputValueError(f"--stall-abort-pace must be a number >= 0 (0: off), got {args.stall_abort_pace}")
+            self.env[ABORT_PACE_ENV] = f"{args.stall_abort_pace:g}"
+        else:  # the user's environment, else the default
+            self.env.setdefault(ABORT_PACE_ENV, f"{DEFAULT_ABORT_PACE:g}")
         self.slurm = args.slurm or (not args.hosts_file and "SLURM_JOB_NODELIST" in self.env)
         if not (self.slurm or args.hosts_file):
             raise InputValueError("say where to run: --hosts-file FILE, or --slurm inside an allocation")
@@ -120,7 +132,8 @@ class Supervisor:
     def launch(self, hosts: List[Host], first: bool, journal: Journal, on_records) -> tuple:
         """Run the trainer on ``hosts`` to its end: ``(exit status, JobRecords, signal or None)``."""
         program = [sys.executable, "-m", "hsgd.train", *(self.first if first else self.again)]
-        cmd = launch_command(self.launcher, self.mpiexec, self.extra, hosts, program)
+        cmd = launch_command(self.launcher, self.mpiexec, self.extra, hosts, program,
+                             sorted(name for name in self.env if name.startswith("HSGD_")))
         _say(f"starting {sum(h.ranks for h in hosts)} ranks on {len(hosts)} hosts: "
              f"{', '.join(h.name for h in hosts)}")
         return run_job(cmd, launcher_env(self.launcher, self.env), journal, on_records)

@@ -3,15 +3,17 @@
 One command (as root: hosts emulated on this machine)::
 
     python -m lab.bench restart                          # 3 hosts x 2 ranks, 1gbit, the default run
-    python -m lab.bench restart --faults 3 --save-every 30s
+    python -m lab.bench restart --faults 4 --save-every 30s
     python -m lab.bench restart --epochs 5               # options it does not know go to hsgd.train
 
 A run without a fault first, then ``--faults`` runs in which one host, picked at random,
-dies at a random time of the training (its processes killed, its link taken down: it
-answers no probe); every run is the supervisor's, on the same hosts. From the times the
+dies at a random time of the training, in turn each way: ``killed`` (its processes killed,
+then its link taken down: the kernel may close their connections first) and ``silent``
+(its link down first: no word reaches the others, as in a power loss); it answers no
+probe. Every run is the supervisor's, on the same hosts. From the times the
 supervisor's output lines arrive and the run's records, the seconds from the fault to the
 moment the new job is back at the step the old one had reached split into: detection
-(to the first line the failure printed), the end of the old job, the probe, the new
+(to the first line the failure printed, a stall report included), the end of the old job, the probe, the new
 job's start-up (launch to ready, the checkpoint not loaded), loading, and the steps
 redone. The target: at most a fresh job's start-up (the run without fault's) plus the
 old job's time since its last checkpoint, plus 5 s. docs/reliability.md.
@@ -38,6 +40,7 @@ from ..hosts import EmulatedHosts, HostsUnavailable
 
 PASSES_ON = True
 TARGET_SLACK_S = 5.0
+FAULTS = ("killed", "silent")  # in turn
 
 
 def add_arguments(p) -> None:
@@ -72,7 +75,8 @@ def _records(run: Path) -> List[dict]:
 
 
 def _supervised(hosts, tmp: Path, name: str, trainer: List[str], args, fault=None) -> tuple:
-    """One supervised run (``fault``: ``(host, seconds after the first step)``); its lines and records."""
+    """One supervised run (``fault``: ``(host, seconds after the first step, "killed" or "silent")``); its
+    lines and records."""
     run = tmp / name
     hosts_file = tmp / f"{name}.hosts"
     hosts_file.write_text("".join(f"{h.address}:{args.ranks_per_host}\n" for h in hosts.hosts))
@@ -85,11 +89,13 @@ def _supervised(hosts, tmp: Path, name: str, trainer: List[str], args, fault=Non
     lines.start()
     killed = None
     if fault is not None:
-        host, after = fault
+        host, after, kind = fault
         while not ((run / "metrics.jsonl").exists() and any(r["event"] == "step" for r in _records(run))):
             time.sleep(0.05)
         time.sleep(after)
         killed = time.time()
+        if kind == "silent":
+            hosts.set_link(host, up=False)
         hosts.kill_host(host)
         hosts.set_link(host, up=False)
     proc.wait()
@@ -107,7 +113,8 @@ def _split(lines: _Lines, records: List[dict], killed: float) -> dict:
     old_steps = [r for r in records if r["event"] == "step" and r["wall"] <= killed]
     at_kill = old_steps[-1]["step"] if old_steps else 0
     ended = lines.first("the job ended with status", killed)
-    detected = next((t for t, line in lines.lines if killed <= t <= ended and not line.startswith("[rank ")), ended)
+    detected = next((t for t, line in lines.lines if killed <= t <= ended
+                     and (not line.startswith("[rank ") or "hsgd stall:" in line)), ended)
     restarted = lines.first("restart 1 of", killed)
     launched = lines.first("starting", restarted)
     start = [r for r in records if r["event"] == "start"][-1]
@@ -145,16 +152,16 @@ def run(args, extra) -> Result:
         training = steps[-1]["wall"] - steps[0]["wall"]
         base_acc = [r for r in base if r["event"] == "epoch"][-1]["test_acc"]
         for i in range(args.faults):
-            host, after = rng.randrange(args.hosts), rng.uniform(0.1, 0.8) * training
-            lines, records, killed = _supervised(hosts, Path(tmp), f"fault{i}", trainer, args, (host, after))
-            row = {"host": hosts.hosts[host].name, **_split(lines, records, killed),
+            host, after, kind = rng.randrange(args.hosts), rng.uniform(0.1, 0.8) * training, FAULTS[i % 2]
+            lines, records, killed = _supervised(hosts, Path(tmp), f"fault{i}", trainer, args, (host, after, kind))
+            row = {"fault": kind, "host": hosts.hosts[host].name, **_split(lines, records, killed),
                    "acc": [r for r in records if r["event"] == "epoch"][-1]["test_acc"], "base_acc": base_acc,
                    "fresh_startup": fresh}
             row["target"] = fresh + row["since_save"] + TARGET_SLACK_S
             rows.append(row)
             progress.step(f"fault {i + 1}")
     shape = f"{args.hosts} emulated hosts x {args.ranks_per_host} ranks, links {args.link}, MPICH"
-    table = Table(("host killed", "at step", "from checkpoint", "detection s", "old job's end s", "probe s",
+    table = Table(("fault", "host", "at step", "from checkpoint", "detection s", "old job's end s", "probe s",
                    "new job's start-up s", "loading s", "steps redone s", "lost s", "target s", "met",
                    "final test acc %", "without fault %"),
                   title=f"{shape}; python -m hsgd.run -- {' '.join(trainer)}; a fresh job's start-up {fresh:.1f} s",
@@ -162,8 +169,9 @@ def run(args, extra) -> Result:
                          f"{TARGET_SLACK_S:g} s; 'lost': from the kill to the new job's step record at the step "
                          "the old one had reached"])
     for r in rows:
-        table.rows.append([r["host"], str(r["at_step"]), str(r["from_step"]), f"{r['detect']:.2f}", f"{r['end']:.2f}",
-                           f"{r['probe']:.2f}", f"{r['startup']:.2f}", f"{r['load']:.2f}", f"{r['redo']:.2f}",
+        table.rows.append([r["fault"], r["host"], str(r["at_step"]), str(r["from_step"]), f"{r['detect']:.2f}",
+                           f"{r['end']:.2f}", f"{r['probe']:.2f}", f"{r['startup']:.2f}", f"{r['load']:.2f}",
+                           f"{r['redo']:.2f}",
                            f"{r['lost']:.1f}", f"{r['target']:.1f}", "yes" if r["lost"] <= r["target"] else "no",
                            f"{100 * r['acc']:.2f}", f"{100 * r['base_acc']:.2f}"])
     return Result([table], rows)

@@ -156,9 +156,17 @@ class EmulatedHosts:
                              f"environment ({', '.join(f'{k}={v}' for k, v in self.tcp_env().items())})")
 
     def set_link(self, host: int, up: bool) -> None:
-        """Take host ``host``'s link down (a partition: nothing crosses either way) or up again."""
-        self._check_open()
+        """Take host ``host``'s link down (a partition: nothing crosses either way) or up again.
+        Up again, every host forgets the addresses it failed to reach meanwhile: an address
+        whose neighbour entry failed is refused (``EHOSTUNREACH``) until the kernel tries it
+        again, the likely cause of a job started right after that failed (MPICH's start-up: "Destination is
+        unreachable")."""
+        state = self._check_open()
         _net._run("ip", "link", "set", self.hosts[host].veth, "up" if up else "down")
+        if up:
+            for h in self.hosts:
+                _net._run("ip", "-n", h.netns, "neigh", "flush", "all", check=False)
+            _net._run("ip", "neigh", "flush", "dev", state["bridge"], check=False)
 
     def kill_host(self, host: int) -> None:
         """SIGKILL every process on host ``host`` (a host that dies; its link stays up)."""

@@ -29,6 +29,7 @@ import torch
 from mpirun import ROOT, kill_job, mpi_env, remove_leftovers, run_command, snapshot
 
 from hsgd import report as hsgd_report
+from hsgd.bench._launcher import mpi_flavour, mpiexec
 
 SAMPLES, BATCH, EPOCHS = 1000, 50, 2  # 50: unequal shares at 6 ranks (9, 9, 8, 8, 8, 8) and at 4 (13, 13, 12, 12)
 STEPS = SAMPLES // BATCH  # 20 per epoch: a fault in each epoch
@@ -119,7 +120,14 @@ def test_a_supervised_run_restarts_on_the_hosts_left_and_takes_back_one_that_ret
     finally:
         kill_job(proc)
     assert proc.returncode == 0, err[-5000:]
-    assert not remove_leftovers(before, str(tmpdir)), "the supervised run left files behind"
+    left = remove_leftovers(before, str(tmpdir))
+    if mpi_flavour(mpiexec()) == "openmpi":
+        # A dead host cleans up nothing (hsgd unlinks MPICH's segment early, not Open MPI's): its shared
+        # memory, and in the job's TMPDIR its daemons' session directories, and those of the probes'
+        # daemons, started there through the emulated remote shell and killed with the probe
+        dead = tuple(f"sm_segment.{hosts.hosts[i].name}." for i in (1, 2))
+        left = [f for f in left if not (Path(f).name.startswith(dead) or f.startswith(str(tmpdir)))]
+    assert not left, f"the supervised run left files behind: {left}"
 
     epochs = records(run, "epoch")
     assert [e["epoch"] for e in epochs][-EPOCHS:] == list(range(EPOCHS))

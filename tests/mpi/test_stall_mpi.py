@@ -138,3 +138,43 @@ def test_a_mode_shares_an_inspector_handed_to_it_and_leaves_it_open(comm):
     stall.close()
     with pytest.raises(ValueError, match="open StallInspector"):
         build(None, stall=stall)
+
+
+def test_a_wait_many_times_the_ranks_pace_ends_the_job_unless_every_rank_is_in(comm, capsys):
+    """``abort_pace`` (python -m hsgd.run's default): a wait longer than K times the rank's
+    slowest recent step, at least a floor, ends the job, naming the rank missing; a wait that
+    every rank entered (a slow transfer) is left to ``abort_after``. The abort is recorded here
+    instead of made; a floor of 0.4 s instead of 3 keeps the test short."""
+    from hsgd.faults.stall import Pace, StallInspector
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size != 3:
+        pytest.skip("one size is enough: two ranks wait for a third")
+    stall = StallInspector(comm, timeout=60.0, abort_after=0, abort_pace=2.0)
+    stall.pace = Pace(2.0, floor=0.4)
+    aborted = []
+    stall._abort = lambda why, waited: aborted.append((why, waited))
+    for step in range(10):  # a pace of a few ms: the limit is the floor
+        with stall.waiting(step):
+            comm.Barrier()
+    assert stall._limit == pytest.approx(0.4)
+    if rank == 2:
+        time.sleep(1.5)  # the others wait for it
+    with stall.waiting(10):
+        comm.Barrier()
+    comm.Barrier()
+    lost = list(aborted)
+    with stall.waiting(11, "every rank in"):
+        comm.Barrier()  # every rank has published its entry
+        time.sleep(1.2)
+    comm.Barrier()
+    stall.close()
+    assert len(aborted) == len(lost), "a wait that every rank had entered ended the job"
+    if rank == 2:
+        assert not lost, lost  # it never waited
+        return
+    assert lost, "no abort after 1.5 s of waiting with a pace limit of 0.4 s"
+    why, waited = lost[0]
+    assert waited >= 0.4 and "stall_abort_pace / HSGD_STALL_ABORT_PACE = 2 x" in why, lost
+    reports = [line for line in capsys.readouterr().err.splitlines() if "hsgd stall: waiting" in line]
+    assert reports and "missing: rank 2 (last at step 9)" in reports[0], reports

@@ -2,6 +2,7 @@
 are restarted on which hosts (the job and the probe replaced by stand-ins)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -31,6 +32,7 @@ def one_error_line(capsys):
     (["--min-nodes", "3"], "--min-nodes 3 is more than the 2 hosts in"),
     (["--max-restarts", "-1"], "--max-restarts must be >= 0"),
     (["--probe-timeout", "0"], "--probe-timeout must be positive"),
+    (["--stall-abort-pace", "-1"], "--stall-abort-pace must be a number >= 0"),
 ])
 def test_bad_settings_get_one_line_and_exit_2(tmp_path, capsys, monkeypatch, args, message):
     code = run.main(["--hosts-file", hosts_file(tmp_path), *args, "--", "--run-dir", str(tmp_path / "run")])
@@ -138,3 +140,31 @@ def test_each_launcher_gets_the_hosts_its_way():
     assert launch_command("srun", "srun", ["--mpi=pmi2"], hosts, program) == \
         ["srun", "--mpi=pmi2", "--nodelist", "a,b", "--nodes", "2", "--ntasks-per-node", "2", "--ntasks", "4", *program]
     assert probe_command("mpich", "mpiexec", [], Host("b", 2)) == ["mpiexec", "-hosts", "b:1", "-n", "1", "true"]
+
+
+def test_the_job_runs_with_a_stall_abort_pace_that_the_user_may_set(tmp_path, monkeypatch):
+    """A host lost without a connection reset is seen by the stall inspector alone: the jobs get
+    HSGD_STALL_ABORT_PACE (20, the user's environment, or --stall-abort-pace), and Open MPI's
+    launcher, which passes on only what -x names, every HSGD_ variable."""
+    from hsgd._supervisor import supervisor as module
+
+    for name in [name for name in os.environ if name.startswith("HSGD_")]:
+        monkeypatch.delenv(name)
+
+    def job_env(*extra, env=None):
+        monkeypatch.delenv(module.ABORT_PACE_ENV, raising=False)
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        args = run.build_parser().parse_args(["--hosts-file", hosts_file(tmp_path), "--launcher", "openmpi",
+                                              "--mpiexec", sys.executable, *extra, "--", "--run-dir", "r"])
+        supervisor, seen = Supervisor(args), []
+        monkeypatch.setattr(module, "run_job", lambda cmd, env, journal, on: seen.append((cmd, env)) or (0, None, None))
+        supervisor.launch([A], True, None, None)
+        return seen[0]
+    cmd, env = job_env()
+    assert env["HSGD_STALL_ABORT_PACE"] == "20" and cmd[1:5] == ["-x", "HSGD_STALL_ABORT_PACE", "--host", "127.0.0.1:2"]
+    assert job_env(env={"HSGD_STALL_ABORT_PACE": "50", "HSGD_STALL_TIMEOUT": "9"})[1]["HSGD_STALL_ABORT_PACE"] == "50"
+    cmd, env = job_env("--stall-abort-pace", "0", env={"HSGD_STALL_ABORT_PACE": "50"})
+    assert env["HSGD_STALL_ABORT_PACE"] == "0" and cmd.count("-x") == 2  # the timeout's too
+    assert launch_command("mpich", "mpiexec", [], [A], ["p"], ["HSGD_X"]) == ["mpiexec", "-hosts", "127.0.0.1:2",
+                                                                            "-n", "2", "p"]
