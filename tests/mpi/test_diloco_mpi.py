@@ -184,6 +184,20 @@ def test_compressed_outer_step_matches_the_simulation_with_error_feedback(comm, 
         assert any((a - b).abs().max() > 1e-6 for a, b in zip(mine, sims[1][comm.rank])), "compressed nothing"
 
 
+def _run_saving_at_step_9(model, opt, comm):
+    """Steps 0-19, the state saved after step 9 with a fragment in flight; closes ``opt``.
+    Returns the saved state and the final parameters."""
+    for t in range(20):
+        local_step(model, opt, t, comm.rank)
+        if t == 9:
+            assert opt.engine.outer.in_flight, "no fragment in flight at the stop"
+            # a deep copy, as torch.save makes: a state dict holds the live momentum buffers
+            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    unstopped = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return saved, unstopped
+
+
 def test_a_compressed_fragment_in_flight_resumes_exactly(comm):
     """As below, with every rank its own node and the pseudo-gradients in int8: the error
     feedback is in the rank's state, and the fragment in flight at the stop is sent again
@@ -196,13 +210,7 @@ def test_a_compressed_fragment_in_flight_resumes_exactly(comm):
         return model, HierarchicalDiLoCo(inner(model.parameters()), model, topology=topo, **kwargs), topo
 
     model, opt, topo = build()
-    for t in range(20):
-        local_step(model, opt, t, comm.rank)
-        if t == 9:
-            assert opt.engine.outer.in_flight, "no fragment in flight at the stop"
-            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
-    unstopped = [p.detach().clone() for p in model.parameters()]
-    opt.close()
+    saved, unstopped = _run_saving_at_step_9(model, opt, comm)
     errors = saved["opt"]["hsgd_outer_codec"]["state"]["parts"]
     assert comm.size == 1 or any(e["error"].abs().max() > 0 for e in errors.values()), "no error feedback saved"
     for ranks_per_node, warns in ((1, False), (2, comm.size > 1)):
@@ -233,14 +241,7 @@ def test_a_resumed_run_ends_where_an_unstopped_one_does(comm):
         return model, HierarchicalDiLoCo(inner(model.parameters()), model, **kwargs)
 
     model, opt = build()
-    for t in range(20):
-        local_step(model, opt, t, comm.rank)
-        if t == 9:
-            assert opt.engine.outer.in_flight, "no fragment in flight at the stop"
-            # a deep copy, as torch.save makes: a state dict holds the live momentum buffers
-            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
-    unstopped = [p.detach().clone() for p in model.parameters()]
-    opt.close()
+    saved, unstopped = _run_saving_at_step_9(model, opt, comm)
     model, opt = build()
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
