@@ -3,8 +3,9 @@ the run restarted on those left, a host that comes back taken in again.
 
 One supervised run checks it all (each launch costs seconds of torch imports on a small machine):
 
-1. 3 hosts x 2 ranks train; once a checkpoint mid-epoch 0 is written, every process of host 2 is
-   killed and its link taken down (a dead host: nothing answers there);
+1. 3 hosts x 2 ranks train; once a checkpoint mid-epoch 0 is written, host 2's link is taken down
+   and every process there killed (a host that loses its power: no connection closes, nothing
+   answers there);
 2. the supervisor restarts on hosts 0 and 1 (4 ranks, global batch kept); once that job runs,
    host 2's link comes back up; after a checkpoint mid-epoch 1, host 1 dies the same way;
 3. the supervisor restarts on hosts 0 and 2: the host that came back joins.
@@ -61,9 +62,13 @@ def wait_for(what, check, proc, seconds=240):
 
 
 def lose(hosts, i):
-    """Host ``i`` dies: its processes killed, its link down (a probe gets no answer there)."""
-    hosts.kill_host(i)
+    """Host ``i`` dies as a host that loses its power: its link down first, so that no connection
+    is closed and the survivors learn of it only by their stall inspector's abort pace (the
+    supervisor's default), then its processes killed; a probe gets no answer there. (Killed
+    first, Open MPI's launcher ends the job at once, and a probe could reach the host before
+    its link is down.)"""
     hosts.set_link(i, up=False)
+    hosts.kill_host(i)
 
 
 def steps_used(samples_dir, starts):
