@@ -143,6 +143,7 @@ class Jobs:
         result = self._finish(proc, start, before)
         if fault == "link":  # the next rows need the host: end what still runs there, reconnect it
             self.where.hosts.kill_host(last)
+        if fault in ("link", "host"):  # ... and a killed host answers again once its link is brought up
             self.where.hosts.set_link(last, up=True)
         return result
 

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence, Union
 from hsgd.bench._launcher import mpi_flavour, mpiexec
 
 from . import _net
-from ._mpi import launch_command, launcher_options, tcp_env, write_rsh
+from ._mpi import down_marker, launch_command, launcher_options, tcp_env, write_rsh
 from ._net import HostsError, HostsUnavailable, format_rate, missing_capability, parse_rate
 
 __all__ = ["EmulatedHosts", "Host", "HostsError", "HostsUnavailable", "parse_rate", "format_rate",
@@ -157,20 +157,26 @@ class EmulatedHosts:
 
     def set_link(self, host: int, up: bool) -> None:
         """Take host ``host``'s link down (a partition: nothing crosses either way) or up again.
-        Up again, every host forgets the addresses it failed to reach meanwhile: an address
+        Up again, a host that :meth:`kill_host` killed answers the remote shell again (it came
+        back), and every host forgets the addresses it failed to reach meanwhile: an address
         whose neighbour entry failed is refused (``EHOSTUNREACH``) until the kernel tries it
         again, the likely cause of a job started right after that failed (MPICH's start-up: "Destination is
         unreachable")."""
         state = self._check_open()
         _net._run("ip", "link", "set", self.hosts[host].veth, "up" if up else "down")
         if up:
+            down_marker(state, self.hosts[host].name).unlink(missing_ok=True)
             for h in self.hosts:
                 _net._run("ip", "-n", h.netns, "neigh", "flush", "all", check=False)
             _net._run("ip", "neigh", "flush", "dev", state["bridge"], check=False)
 
     def kill_host(self, host: int) -> None:
-        """SIGKILL every process on host ``host`` (a host that dies; its link stays up)."""
-        self._check_open()
+        """SIGKILL every process on host ``host`` (a host that dies; its link stays up, so the
+        kills' resets reach its peers). From the moment before the kill, the remote shell
+        refuses the host as a dead one would ("No route to host"), until :meth:`set_link` brings
+        it up again: a probe that follows the job's end at once cannot find it alive."""
+        state = self._check_open()
+        down_marker(state, self.hosts[host].name).touch()
         _net._kill_namespace(self.hosts[host].netns)
 
     # --- life cycle ---------------------------------------------------------------------------

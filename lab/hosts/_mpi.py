@@ -19,13 +19,20 @@ import shlex
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-__all__ = ["write_rsh", "launch_command", "launcher_options", "tcp_env"]
+__all__ = ["down_marker", "write_rsh", "launch_command", "launcher_options", "tcp_env"]
+
+
+def down_marker(state: Dict, name: str) -> Path:
+    """The file whose presence makes the remote shell refuse host ``name``: a dead host
+    (``EmulatedHosts.kill_host``) answers no one, whatever its link."""
+    return Path(state["dir"]) / f"down-{name}"
 
 
 def write_rsh(state: Dict) -> str:
     """Write the run's remote shell script; return its path."""
     cases = "\n".join(
-        f"  {h['address']}|{h['name']}) ns={shlex.quote(h['netns'])}; uts={shlex.quote(h['uts'])};;"
+        f"  {h['address']}|{h['name']}) ns={shlex.quote(h['netns'])}; uts={shlex.quote(h['uts'])}; "
+        f"down={shlex.quote(str(down_marker(state, h['name'])))};;"
         for h in state["hosts"])
     script = f"""#!/bin/sh
 # lab.hosts, run {state['id']}: the remote shell that MPI's launchers call as
@@ -43,6 +50,9 @@ case "$host" in
 {cases}
   *) echo "lab.hosts: no emulated host '$host' in run {state['id']}" >&2; exit 255;;
 esac
+if [ -e "$down" ]; then
+  echo "ssh: connect to host $host port 22: No route to host" >&2; exit 255
+fi
 exec nsenter --uts="$uts" -- ip netns exec "$ns" sh -c "$*"
 """
     path = Path(state["dir"]) / "rsh"

@@ -78,7 +78,7 @@ SMOKE = {
               lambda raw: [[r["step_s"] for r in raw if r["every"] == every] for every in (0, 5)], 1),
     "restart": (["--hosts", "2", "--ranks-per-host", "1", "--probe-timeout", "2", "--cache-dir", "{cache}",
                  "--epochs", "2", "--save-every", "5", *TRAIN],
-                "| host killed | at step | from checkpoint | detection s | old job's end s | probe s "
+                "| fault | host | at step | from checkpoint | detection s | old job's end s | probe s "
                 "| new job's start-up s | loading s | steps redone s | lost s | target s | met | final test acc % "
                 "| without fault % |",
                 lambda raw: [[r["lost"] for r in raw]], 1),
