@@ -9,16 +9,17 @@ One command (each run is ``mpiexec -n RANKS python -m hsgd.train``)::
 
 Every run trains the same model on the same data for the same number of steps, one
 run at a time: ``sync``, ``local H``, ``diloco H`` and ``streaming H/F`` (``--methods``),
-DiLoCo's once per ``--outer-compression``; options this benchmark does not know go to
-``python -m hsgd.train``. The table gives the final validation loss and the inter-node
-bytes against ``sync``'s; ``--png`` draws each DiLoCo run's gap to ``sync`` at every
-epoch's evaluation against its outer rounds. What each run and column is:
-docs/benchmark-methods.md (``diloco``).
+DiLoCo's once per ``--outer-compression``, ``--outer-lr`` and ``--outer-momentum`` (a sweep);
+options this benchmark does not know go to ``python -m hsgd.train``. The table gives the
+final validation loss and the inter-node bytes against ``sync``'s; ``--png`` draws each
+DiLoCo run's gap to ``sync`` at every epoch's evaluation against its outer rounds. What
+each run and column is: docs/benchmark-methods.md (``diloco``).
 """
 
 from __future__ import annotations
 
 import tempfile
+from itertools import product
 from pathlib import Path
 
 from hsgd.bench._harness import Progress, Result, Table, int_at_least, positive_float
@@ -40,8 +41,10 @@ def add_arguments(p) -> None:
                    help="global periods H to compare, in steps (16)")
     p.add_argument("--fragments", type=int_at_least(1), default=4, help="streaming DiLoCo's fragments (4)")
     p.add_argument("--delay", type=int_at_least(0), default=1, help="--fragment-sync-delay of the streaming runs (1)")
-    p.add_argument("--outer-lr", type=positive_float, default=0.7, help="DiLoCo's outer lr (0.7)")
-    p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum (0.9)")
+    p.add_argument("--outer-lr", type=positive_float, nargs="+", default=[0.7],
+                   help="DiLoCo's outer lrs, one run per lr and momentum (0.7)")
+    p.add_argument("--outer-momentum", type=float, nargs="+", default=[0.9],
+                   help="DiLoCo's outer Nesterov momenta, one run per lr and momentum (0.9)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
                    help=f"the runs to make, sync always first ({' '.join(METHODS)})")
     p.add_argument("--outer-compression", nargs="+", default=["none"], choices=OUTER_COMPRESSIONS,
@@ -53,7 +56,7 @@ def add_arguments(p) -> None:
 
 def check(args, extra, parser) -> None:
     check_hosts_options(args, parser, min_ranks=2, why=" (two nodes)")
-    if not 0 < args.outer_momentum < 1:
+    if not all(0 < m < 1 for m in args.outer_momentum):
         parser.error(f"--outer-momentum must be in (0, 1) (Nesterov), got {args.outer_momentum}")
     if any(args.delay >= h for h in args.period):
         parser.error(f"--delay {args.delay} must be below every --period {args.period}")
@@ -68,10 +71,12 @@ def _runs(args):
         periods = ["--intra-period", "1", "--inter-period", str(h)]
         if "local" in args.methods:
             yield f"local {h}", h, ["--sync", "local", *periods]
-        for codec in args.outer_compression:
-            diloco = ["--sync", "diloco", *periods, "--outer-lr", str(args.outer_lr),
-                      "--outer-momentum", str(args.outer_momentum), "--outer-compression", codec]
-            tag = "" if codec == "none" else f" {codec}"
+        # a sweep names each run's outer lr and momentum; one setting keeps the plain names
+        swept = len(args.outer_lr) * len(args.outer_momentum) > 1
+        for codec, lr, momentum in product(args.outer_compression, args.outer_lr, args.outer_momentum):
+            diloco = ["--sync", "diloco", *periods, "--outer-lr", str(lr),
+                      "--outer-momentum", str(momentum), "--outer-compression", codec]
+            tag = ("" if codec == "none" else f" {codec}") + (f" lr{lr:g} m{momentum:g}" if swept else "")
             if "diloco" in args.methods:
                 yield f"diloco {h}{tag}", h, diloco
             if "streaming" in args.methods:
