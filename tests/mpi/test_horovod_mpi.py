@@ -144,9 +144,16 @@ def test_mismatched_tensors_and_roots_raise_on_every_rank():
     with pytest.raises(error, match="32-bit integers"):
         hvd.alltoall(torch.zeros(size), splits=torch.ones(size, dtype=torch.int64 if rank == 0 else torch.int32))
     still_in_step()
+    # a name in flight on this rank is refused: rank 0 submits twice before any other rank
+    # submits once, so its first cannot have completed (on a rank that submits last, the first
+    # may complete inside its own submit)
+    if rank:
+        MPI.COMM_WORLD.Barrier()
     handle = hvd.allreduce_async(torch.ones(1), name="twice")
-    with pytest.raises(ValueError, match="already in flight"):
-        hvd.allreduce_async(torch.ones(1), name="twice")
+    if rank == 0:
+        with pytest.raises(ValueError, match="already in flight"):
+            hvd.allreduce_async(torch.ones(1), name="twice")
+        MPI.COMM_WORLD.Barrier()
     hvd.synchronize(handle)
     still_in_step()
 
