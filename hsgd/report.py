@@ -159,6 +159,8 @@ def restart_line(record: dict) -> str:
     """One line for a ``restart`` record: ``restart 1 at step 130: lost h3 (ranks 4, 5); 4 ranks on
     h1, h2; 11.2 s lost``."""
     lost = ", ".join(record.get("lost_hosts") or []) or "no host"
+    if record.get("startup_timed_out"):
+        lost += f" (the job did not start in {record['startup_timed_out']:g} s)"
     ranks = record.get("lost_ranks") or []
     lost += f" (ranks {', '.join(map(str, ranks))})" if ranks else ""
     seconds = as_number(record.get("seconds_lost"))

@@ -11,7 +11,9 @@ a host was lost (MPI ended it, or hsgd's stall inspector did and said so in a ``
 record), it probes the hosts again and restarts the job with ``--resume`` on those that
 answer, at the new rank count, from the newest checkpoint; a host that answers again, or
 is added to the hosts file, joins at the next restart. Each restart is a ``restart``
-record in the run's ``metrics.jsonl`` (``python -m hsgd.report`` shows it). Not restarted:
+record in the run's ``metrics.jsonl`` (``python -m hsgd.report`` shows it). A job that has
+not started training ``--startup-timeout`` seconds after its launch (hung in MPI's start-up)
+is killed and started again the same way. Not restarted:
 a job that ended well (0), on bad input (2), after a signal (75: checkpointed), or with an
 uncaught exception (its ``fault`` record). Exit status: the job's last, 2 on bad input
 here, 75 when fewer than ``--min-nodes`` hosts answer (a batch script requeues). docs/faults.md.
@@ -52,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=3, metavar="N", help="restarts after lost hosts (3)")
     p.add_argument("--probe-timeout", type=float, default=5.0, metavar="S",
                    help="seconds a host has to start a process before it counts as lost (5)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a job has from its launch to the trainer's start record (data and "
+                   "checkpoint loaded) before it is killed and started again, as a lost host's is; "
+                   "0: no limit (300)")
     p.add_argument("--stall-abort-pace", type=float, metavar="K", help="end a job whose ranks wait K times "
                    "their slowest recent step (at least 3 s) for a rank that is gone: the stall inspector's "
                    "HSGD_STALL_ABORT_PACE, set for the job (default: the environment's, else 20; 0: off)")

@@ -56,14 +56,18 @@ def launcher_env(launcher: str, env: Dict[str, str]) -> Dict[str, str]:
 
 
 def run_job(cmd: Sequence[str], env: Dict[str, str], journal: Journal,
-            on_records: Optional[Callable[[List[dict]], None]] = None) -> tuple:
+            on_records: Optional[Callable[[List[dict]], None]] = None, startup_timeout: float = 0.0) -> tuple:
     """Run ``cmd`` to its end: ``(exit status, JobRecords, signal received or None)``.
 
     ``on_records(records)`` hears every batch of new records while the job runs. A signal
     the supervisor receives goes to the job's launcher, which passes it to the ranks (the
-    trainer then checkpoints and exits 75)."""
+    trainer then checkpoints and exits 75). A job that has written no ``start`` record
+    ``startup_timeout`` seconds after its launch (0: no limit) is killed, launcher and ranks,
+    and its records say so (``startup_timed_out``): a launch can hang before any rank runs
+    hsgd's code, where no stall inspector watches."""
     records = JobRecords()
     received: List[int] = []
+    launched = time.monotonic()
     proc = subprocess.Popen(list(cmd), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def forward(signum, frame):
@@ -82,6 +86,11 @@ def run_job(cmd: Sequence[str], env: Dict[str, str], journal: Journal,
             if new and on_records is not None:
                 on_records(new)
             if ended:
+                break
+            if startup_timeout and records.start is None and time.monotonic() - launched > startup_timeout:
+                records.startup_timed_out = startup_timeout
+                kill_tree(proc.pid)
+                proc.wait()
                 break
             time.sleep(_POLL_S)
     finally:

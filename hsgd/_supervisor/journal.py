@@ -22,7 +22,8 @@ __all__ = ["Journal", "JobRecords"]
 
 class JobRecords:
     """What one job wrote: its last step record (``last``, the one before ``previous``), its
-    ``start`` and ``end`` records and its ``fault`` records."""
+    ``start`` and ``end`` records and its ``fault`` records; ``startup_timed_out``: the
+    seconds after which the supervisor killed a job that had not started (else ``None``)."""
 
     def __init__(self):
         self.last: Optional[dict] = None
@@ -30,6 +31,7 @@ class JobRecords:
         self.start: Optional[dict] = None
         self.end: Optional[dict] = None
         self.faults: List[dict] = []
+        self.startup_timed_out: Optional[float] = None
 
     def take(self, record: dict) -> None:
         event = record.get("event")

@@ -12,7 +12,10 @@ answer. A restart's ``restart`` record is written once the new job has caught up
 old one's last step record, or has ended: ``seconds_lost`` is the time between those two
 step records, less the steps between them at the old pace. A host lost without a word (no
 connection reset: a power loss, a partition) is seen by the stall inspector alone: its
-jobs run with ``HSGD_STALL_ABORT_PACE`` (``--stall-abort-pace``) set.
+jobs run with ``HSGD_STALL_ABORT_PACE`` (``--stall-abort-pace``) set. A job that hangs
+before the trainer's ``start`` record (in MPI's start-up, where no stall inspector runs yet)
+is killed after ``--startup-timeout`` and started again on the hosts that answer, a restart
+like a lost host's.
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ class Supervisor:
                 raise InputValueError(f"{name} must be >= {low}, got {value}")
         if not args.probe_timeout > 0:
             raise InputValueError(f"--probe-timeout must be positive seconds, got {args.probe_timeout}")
+        if not 0 <= args.startup_timeout < float("inf"):
+            raise InputValueError(f"--startup-timeout must be seconds >= 0 (0: no limit), got {args.startup_timeout}")
         if args.stall_abort_pace is not None:
             if not 0 <= args.stall_abort_pace < float("inf"):
                 raise InputValueError(f"--stall-abort-pace must be a number >= 0 (0: off), got {args.stall_abort_pace}")
@@ -136,7 +141,7 @@ class Supervisor:
                              sorted(name for name in self.env if name.startswith("HSGD_")))
         _say(f"starting {sum(h.ranks for h in hosts)} ranks on {len(hosts)} hosts: "
              f"{', '.join(h.name for h in hosts)}")
-        return run_job(cmd, launcher_env(self.launcher, self.env), journal, on_records)
+        return run_job(cmd, launcher_env(self.launcher, self.env), journal, on_records, self.args.startup_timeout)
 
     def loop(self) -> int:
         """Start the job; restart it while hosts are lost; returns the exit status."""
@@ -158,13 +163,16 @@ class Supervisor:
                 return code
             ended, probing = time.time(), time.monotonic()
             cause = records.cause()  # a stall, if any (an exception was not restarted)
-            _say(f"the job ended with status {code}"
+            hung = records.startup_timed_out
+            how = (f"did not start within --startup-timeout {hung:g} s (no start record): killed it" if hung
+                   else f"ended with status {code}")
+            _say(f"the job {how}"
                  f"{'; the stall inspector found ranks ' + str(cause.get('missing')) + ' missing' if cause else ''}; "
                  f"probing the hosts")
             now = self.answering()
             probe_s = time.monotonic() - probing
             lost = [h for h in hosts if h.name not in {a.name for a in now}]
-            if not lost and cause is None:
+            if not lost and cause is None and not hung:
                 _say("every host answers: not a lost host; not restarted")
                 return code
             if restarts >= self.args.max_restarts:
@@ -200,7 +208,7 @@ def _restart(number, code, lost, cause, hosts, records: JobRecords, ended, probe
     """The restart record as known when the new job starts."""
     last = records.last or {}
     return {"event": "restart", "restart": number, "wall": round(time.time(), 3), "exit": code,
-            "lost_hosts": [h.name for h in lost],
+            "startup_timed_out": records.startup_timed_out, "lost_hosts": [h.name for h in lost],
             "lost_ranks": list(cause.get("missing", [])) if cause and cause.get("cause") == "stall" else [],
             "hosts": [h.name for h in hosts], "world_size": sum(h.ranks for h in hosts),
             "last_step": last.get("step"), "last_wall": last.get("wall"), "pace": records.seconds_per_step(),

@@ -5,13 +5,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from hsgd import run
+from hsgd import report, run
 from hsgd._supervisor.hostlist import Host
-from hsgd._supervisor.jobs import launch_command, probe_command
-from hsgd._supervisor.journal import JobRecords
+from hsgd._supervisor.jobs import launch_command, probe_command, run_job
+from hsgd._supervisor.journal import JobRecords, Journal
 from hsgd._supervisor.supervisor import Supervisor
 
 
@@ -33,6 +34,8 @@ def one_error_line(capsys):
     (["--max-restarts", "-1"], "--max-restarts must be >= 0"),
     (["--probe-timeout", "0"], "--probe-timeout must be positive"),
     (["--stall-abort-pace", "-1"], "--stall-abort-pace must be a number >= 0"),
+    (["--startup-timeout", "-1"], "--startup-timeout must be seconds >= 0"),
+    (["--startup-timeout", "inf"], "--startup-timeout must be seconds >= 0"),
 ])
 def test_bad_settings_get_one_line_and_exit_2(tmp_path, capsys, monkeypatch, args, message):
     code = run.main(["--hosts-file", hosts_file(tmp_path), *args, "--", "--run-dir", str(tmp_path / "run")])
@@ -85,6 +88,8 @@ def supervise(tmp_path, monkeypatch, jobs, answers, extra=()):
         started.append([h.name for h in hosts])
         code, faults = jobs[len(started) - 1]
         records = JobRecords()
+        if faults == "hung":  # killed by the supervisor: no start record within --startup-timeout
+            records.startup_timed_out, faults = 300.0, []
         for fault in faults:
             records.take({"event": "fault", **fault})
         return code, records, None
@@ -125,6 +130,67 @@ def test_status_0_without_the_trainers_end_record_is_checked_for_a_lost_host(tmp
     assert code == 0 and len(started) == 2 and [r["lost_hosts"] for r in records] == [["127.0.0.2"]]
 
 
+def test_a_job_hung_in_its_start_up_is_started_again_even_when_every_host_answers(tmp_path, monkeypatch):
+    code, started, records = supervise(tmp_path, monkeypatch, [(-9, "hung"), (0, [END])], [[A, B, C], [A, B, C]])
+    assert code == 0 and len(started) == 2
+    assert [(r["lost_hosts"], r["startup_timed_out"], r["world_size"]) for r in records] == [([], 300.0, 6)]
+    assert "did not start in 300 s" in report.restart_line(records[0])
+
+
+def test_run_job_kills_a_job_without_a_start_record_after_the_startup_timeout(tmp_path):
+    """The launcher and what it started are killed; a job that wrote its start record is left to run."""
+    journal = Journal(tmp_path)
+    child = tmp_path / "child.pid"
+    hang = [sys.executable, "-c", f"import subprocess, time; p = subprocess.Popen(['sleep', '600']); "
+            f"open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(600)"]
+    code, records, received = run_job(hang, dict(os.environ), journal, startup_timeout=1.0)
+    assert (code, records.startup_timed_out, records.start, received) == (-9, 1.0, None, None)
+    stat = f"/proc/{int(child.read_text())}/stat"
+    for _ in range(100):  # gone, or a zombie where nothing reaps orphans
+        if not os.path.exists(stat) or open(stat).read().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the hung job's child is still running")
+    start = json.dumps({"event": "start", "wall": 0.0})
+    writes = [sys.executable, "-c", f"import time; open({str(tmp_path / 'metrics.jsonl')!r}, 'a').write("
+              f"{start + chr(10)!r}); time.sleep(2)"]
+    code, records, received = run_job(writes, dict(os.environ), Journal(tmp_path), startup_timeout=1.0)
+    assert (code, records.startup_timed_out, records.start) == (0, None, {"event": "start", "wall": 0.0})
+
+
+def test_the_supervisor_kills_a_launch_that_hangs_and_starts_it_again(tmp_path, capsys):
+    """The whole loop with a stand-in launcher (a script): the probes' ``true`` runs, the first
+    launch of the trainer hangs (as MPICH's did once after a host came back), the second
+    writes the trainer's start and end records."""
+    launcher = tmp_path / "mpiexec"
+    launcher.write_text(f"""#!{sys.executable}
+import json, os, sys, time
+program = sys.argv[sys.argv.index("-n") + 2:]
+if program == ["true"]:
+    sys.exit(0)
+run_dir = program[program.index("--run-dir") + 1]
+marker = os.path.join(run_dir, "launched")
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    time.sleep(600)
+with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({{"event": "start", "wall": time.time()}}) + "\\n")
+    f.write(json.dumps({{"event": "end", "step": 1, "stopped": None}}) + "\\n")
+""")
+    launcher.chmod(0o755)
+    (tmp_path / "run").mkdir()
+    code = run.main(["--hosts-file", hosts_file(tmp_path), "--launcher", "mpich", "--mpiexec", str(launcher),
+                     "--startup-timeout", "1", "--", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "did not start within --startup-timeout 1 s (no start record): killed it" in err
+    assert "the job ended well" in err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    restart = [r for r in records if r["event"] == "restart"]
+    assert [(r["lost_hosts"], r["startup_timed_out"], r["world_size"]) for r in restart] == [([], 1.0, 4)]
+
+
 def test_max_restarts_ends_the_loop_with_the_jobs_status(tmp_path, monkeypatch):
     code, started, records = supervise(tmp_path, monkeypatch, [(9, []), (9, [])], [[A, B, C], [A, B], [A]],
                                        ["--max-restarts", "1"])
@@ -158,7 +224,7 @@ def test_the_job_runs_with_a_stall_abort_pace_that_the_user_may_set(tmp_path, mo
         args = run.build_parser().parse_args(["--hosts-file", hosts_file(tmp_path), "--launcher", "openmpi",
                                               "--mpiexec", sys.executable, *extra, "--", "--run-dir", "r"])
         supervisor, seen = Supervisor(args), []
-        monkeypatch.setattr(module, "run_job", lambda cmd, env, journal, on: seen.append((cmd, env)) or (0, None, None))
+        monkeypatch.setattr(module, "run_job", lambda cmd, env, journal, on, timeout: seen.append((cmd, env)) or (0, None, None))
         supervisor.launch([A], True, None, None)
         return seen[0]
     cmd, env = job_env()
