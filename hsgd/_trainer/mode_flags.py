@@ -80,8 +80,9 @@ def mode_settings(cfg) -> Settings:
 def mode_problem(cfg) -> Optional[str]:
     """The first bad mode flag, as an instruction naming it: every flag's own check whatever
     ``--sync`` is, then the ``--sync`` mode's checks across its settings, then a compression
-    with error feedback given to a mode without sums across nodes to compress (refused, not
-    ignored as other modes' flags are); ``None`` if fine."""
+    with error feedback given to a mode without sums across nodes to compress, or an outer
+    compression to a mode without pseudo-gradients (refused, not ignored as other modes'
+    flags are: the user would believe the wire compressed); ``None`` if fine."""
     names = _names()
     try:
         for f in mode_flag_fields():
@@ -96,6 +97,10 @@ def mode_problem(cfg) -> Optional[str]:
         takers = [sync for sync in SYNC_MODES if "compression" in mode_flags(sync) and _takes(sync, cfg)]
         return (f"--compression {cfg.compression} compresses the gradient sums across nodes, with error feedback; "
                 f"--sync {cfg.sync} has none: use --sync {' | '.join(takers)}")
+    if cfg.outer_compression != "none" and "outer_compression" not in mode_flags(cfg.sync):
+        takers = [sync for sync in SYNC_MODES if "outer_compression" in mode_flags(sync)]
+        return (f"--outer-compression {cfg.outer_compression} compresses DiLoCo's pseudo-gradients; --sync "
+                f"{cfg.sync} has none: use --sync {' | '.join(takers)}, or --compression for the gradient sums")
     return None
 
 

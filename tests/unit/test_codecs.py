@@ -107,6 +107,8 @@ def test_trainer_flags_name_the_codec():
     (["--compression", "int8", "--sync", "local"], "local SGD averages parameters"),
     (["--compression", "powersgd", "--sync", "diloco"], "pass --outer-compression int8 instead of --compression"),
     (["--compression", "fp16", "--sync", "diloco"], "pass --outer-compression fp16 instead of --compression fp16"),
+    (["--outer-compression", "int8"], "--sync sync has none: use --sync diloco, or --compression"),
+    (["--outer-compression", "fp16", "--sync", "local"], "--sync local has none: use --sync diloco"),
     (["--compression", "powersgd", "--inter-node", "sharded"], "--inter-node leader"),
     (["--compression", "int8", "--powersgd-rank", "2"], "--powersgd-rank sets the rank of --compression powersgd"),
     (["--compression", "powersgd", "--powersgd-rank", "0"], "Invalid --powersgd-rank: 0"),
