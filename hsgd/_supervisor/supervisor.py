@@ -164,8 +164,8 @@ class Supervisor:
             ended, probing = time.time(), time.monotonic()
             cause = records.cause()  # a stall, if any (an exception was not restarted)
             hung = records.startup_timed_out
-            how = (f"did not start within --startup-timeout {hung:g} s (no start record): killed it" if hung
-                   else f"ended with status {code}")
+            how = (f"did not start within --startup-timeout {hung:g} s (no start record; raise it if loading "
+                   f"the data and checkpoint takes longer): killed it" if hung else f"ended with status {code}")
             _say(f"the job {how}"
                  f"{'; the stall inspector found ranks ' + str(cause.get('missing')) + ' missing' if cause else ''}; "
                  f"probing the hosts")
