@@ -224,7 +224,8 @@ def test_the_job_runs_with_a_stall_abort_pace_that_the_user_may_set(tmp_path, mo
         args = run.build_parser().parse_args(["--hosts-file", hosts_file(tmp_path), "--launcher", "openmpi",
                                               "--mpiexec", sys.executable, *extra, "--", "--run-dir", "r"])
         supervisor, seen = Supervisor(args), []
-        monkeypatch.setattr(module, "run_job", lambda cmd, env, journal, on, timeout: seen.append((cmd, env)) or (0, None, None))
+        monkeypatch.setattr(module, "run_job",
+                            lambda cmd, env, journal, on, timeout: seen.append((cmd, env)) or (0, None, None))
         supervisor.launch([A], True, None, None)
         return seen[0]
     cmd, env = job_env()
