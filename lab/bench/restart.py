@@ -118,7 +118,10 @@ def _split(lines: _Lines, records: List[dict], killed: float) -> dict:
     restarted = lines.first("restart 1 of", killed)
     launched = lines.first("starting", restarted)
     start = [r for r in records if r["event"] == "start"][-1]
-    back = next(r for r in records if r["event"] == "step" and r["wall"] > start["wall"] and r["step"] >= at_kill)
+    # the fault can land after the old job's last step (in its final save or scoring): then the new
+    # job has no step to reach, and it is back once it has started
+    back = next((r for r in records if r["event"] == "step" and r["wall"] > start["wall"] and r["step"] >= at_kill),
+                start)
     first = next(r for r in records if r["event"] == "start")  # no checkpoint yet: all of it is redone
     saved = next((r for r in records if r["event"] == "checkpoint" and r["step"] == start["resumed"]
                   and r["wall"] < killed), first)
