@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,10 @@ class TrainConfig(ModeFlags):
     momentum: float = _opt(0.9, "momentum (sgd, lars)")
     nesterov: bool = _opt(False, "Nesterov momentum (sgd, lars)")
     weight_decay: float = _opt(0.0, "weight decay (decoupled for adamw; not applied to 1-D tensors by lars)")
+    clip_grad_norm: float = _opt(0.0, "clip the gradients' L2 norm over all parameters to this before each update "
+                                      "(torch's clip_grad_norm_; 1.0 is usual for a transformer): --sync sync "
+                                      "clips the averaged gradients, the same on every rank; the other modes "
+                                      "each rank's own before its local step; 0: no clipping")
     trust_coefficient: float = _opt(0.001, "LARS trust coefficient eta")
     scale_lr: bool = _opt(False, "linear scaling rule: lr *= global batch / --base-batch")
     base_batch: int = _opt(256, "reference batch of the linear scaling rule")
@@ -150,6 +155,9 @@ class TrainConfig(ModeFlags):
         for name in ("momentum", "weight_decay", "threads", "stop_after", "nonfinite_limit"):
             if getattr(self, name) < 0:
                 return f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
+        if not (self.clip_grad_norm >= 0 and math.isfinite(self.clip_grad_norm)):
+            return (f"--clip-grad-norm must be a finite number >= 0 (1.0 is usual; 0: no clipping), "
+                    f"got {self.clip_grad_norm}")
         if not 0 <= self.momentum < 1:
             return f"--momentum must be in [0, 1) (0.9 is usual, 0 disables it), got {self.momentum}"
         problem = mode_problem(self)

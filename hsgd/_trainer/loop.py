@@ -77,7 +77,9 @@ class Trainer:
         self._guard = cfg.nonfinite_limit > 0 and self.opt.finite_guard
         # --amp fp16 in --sync sync: the scaler unscales the averages, so that every rank's scaler
         # sees the same gradients and keeps the same scale
-        self._average_first = self._guard or (self.amp.scaler is not None and self.opt.finite_guard)
+        # and --clip-grad-norm there: the averages are clipped, the same on every rank
+        self._average_first = self.opt.finite_guard and (self._guard or self.amp.scaler is not None
+                                                         or cfg.clip_grad_norm > 0)
         self._skipped = 0  # steps skipped in a row for non-finite gradients
         self.log = _open_log(self.run_dir, self.comm, cfg.tensorboard)
         slowdown = cfg.straggler_factor(comm.Get_rank(), comm.Get_size())  # 1: not slowed
@@ -170,7 +172,8 @@ class Trainer:
         with self.clock.phase("data"):
             batch = next(batches)
         loss, correct, n, finite = _fit_batch(self.model, self.opt, batch, self.device, self.clock,
-                                              self.amp, self.task, average_first=self._average_first)
+                                              self.amp, self.task, average_first=self._average_first,
+                                              clip=self.cfg.clip_grad_norm)
         if self._guard:
             self._check_finite(finite)
         self.scheduler.step()
@@ -269,12 +272,15 @@ def _open_log(run_dir, comm, tensorboard: bool) -> MetricsLog:
     return check_all(comm, MetricsLog, run_dir, enabled=comm.Get_rank() == 0, tensorboard=tensorboard)
 
 
-def _fit_batch(model, opt, batch, device, clock, amp: MixedPrecision, task: Task, average_first: bool = False):
+def _fit_batch(model, opt, batch, device, clock, amp: MixedPrecision, task: Task, average_first: bool = False,
+               clip: float = 0.0):
     """Forward (under ``amp``'s autocast), backward, average, update; returns (loss, correct,
     samples, finite). ``task`` makes the inputs and the loss and scores the batch
     (:mod:`hsgd._trainer.tasks`). With ``average_first`` (a mode with ``gradients_finite``) the
     gradients are averaged, then unscaled (``--amp fp16``), and a step whose averages hold NaN or
-    Inf is not taken (``finite`` False), on every rank."""
+    Inf is not taken (``finite`` False), on every rank. ``clip`` > 0 clips the gradients' norm
+    (``--clip-grad-norm``) just before the update: the averages with ``average_first``, else
+    this rank's own gradients (unscaled first under ``--amp fp16``)."""
     x, y = task.inputs(batch, device)
     # The optimizer update counts as compute; averaging (in backward with --overlap, else in
     # step()) is already in intra/inter.
@@ -291,10 +297,21 @@ def _fit_batch(model, opt, batch, device, clock, amp: MixedPrecision, task: Task
             amp.unscale_(opt)
             finite = opt.gradients_finite()
             if finite:
+                _clip(model, clip)
                 with opt.skip_synchronize():
                     amp.step(opt)
         else:
+            if clip > 0:
+                amp.unscale_(opt)
+                _clip(model, clip)
             amp.step(opt)
         amp.update()
     correct, samples = task.score(out, y)
     return loss.item(), correct, samples, finite
+
+
+def _clip(model, clip: float) -> None:
+    """Scale the gradients down so that their L2 norm over all parameters is at most ``clip``
+    (0: leave them)."""
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)

@@ -433,6 +433,22 @@ def test_non_finite_gradients_skip_steps_then_stop_the_run(tmp_path, cache):
     assert proc.stderr.count("step skipped") == 3, proc.stderr  # logged once per skip (rank 0)
 
 
+@pytest.mark.parametrize("mode", [["--sync", "sync"], ["--sync", "local", "--intra-period", "1"]])
+def test_clip_grad_norm_bounds_every_update(tmp_path, cache, mode):
+    # plain SGD at lr 2: a step moves the parameters by lr x the clipped gradient, at most 2 x 1e-3;
+    # in local SGD each rank's step is clipped and the node's average moves no further
+    common = [*SMALL, *mode, "--optimizer", "sgd", "--momentum", "0", "--lr", "2", "--schedule", "constant",
+              "--warmup-epochs", "0", "--clip-grad-norm", "1e-3", "--ranks-per-node", "2"]
+    models = []
+    for steps in (5, 6):
+        run = tmp_path / f"run{steps}"
+        proc = train(2, [*common, "--run-dir", str(run), "--stop-after", str(steps)], cache)
+        assert proc.returncode == 0, proc.stderr
+        models.append(final_model(run / "checkpoints"))
+    moved = math.sqrt(sum(float(((models[1][k] - models[0][k]) ** 2).sum()) for k in models[0]))
+    assert 1e-4 < moved <= 2e-3 * (1 + 1e-4), moved
+
+
 def test_resume_skips_a_damaged_newest_checkpoint_and_refuses_when_none_loads(tmp_path, cache):
     run = tmp_path / "run"
     common = [*SMALL, "--run-dir", str(run), "--save-every", "10", "--keep-checkpoints", "2"]

@@ -49,6 +49,9 @@ from hsgd.train import parse_config
     (["--model", "gpt", "--block-size", "0"], "--block-size must be a positive integer"),
     (["--model", "gpt", "--n-embd", "100", "--n-head", "3"], "--n-embd 100 must be a multiple of --n-head 3"),
     (["--model", "gpt", "--corpus-bytes", "-1"], "--corpus-bytes must be >= 0"),
+    (["--clip-grad-norm", "-1"], "--clip-grad-norm must be a finite number >= 0"),
+    (["--clip-grad-norm", "nan"], "--clip-grad-norm must be a finite number >= 0"),
+    (["--clip-grad-norm", "inf"], "--clip-grad-norm must be a finite number >= 0"),
 ])
 def test_bad_flags_are_named(argv, flag):
     problem = parse_config(argv).validate()
