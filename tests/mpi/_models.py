@@ -6,11 +6,17 @@ from mpi4py import MPI
 GLOBAL_BATCH = 120  # divisible by 2 x every world size the driver runs (1-5)
 
 
-def fixed_batch(dtype=torch.float64, n=GLOBAL_BATCH, features=8, classes=3, seed=1234):
+def on(binding: str) -> torch.device:
+    """The device of a ``binding`` test's model and batches (tests/mpi/conftest.py)."""
+    return torch.device("cuda" if binding == "cuda" else "cpu")
+
+
+def fixed_batch(dtype=torch.float64, n=GLOBAL_BATCH, features=8, classes=3, seed=1234, device="cpu"):
+    """Drawn on the CPU (the same numbers whatever the device), then moved to ``device``."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=gen, dtype=dtype)
     y = torch.randint(0, classes, (n,), generator=gen)
-    return x, y
+    return x.to(device), y.to(device)
 
 
 def shard(tensor, rank, size):
@@ -18,11 +24,12 @@ def shard(tensor, rank, size):
     return tensor[rank * per:(rank + 1) * per]
 
 
-def mlp(dtype=torch.float64, features=8, hidden=16, classes=3, seed=0):
+def mlp(dtype=torch.float64, features=8, hidden=16, classes=3, seed=0, device="cpu"):
+    """Initialized on the CPU (the same weights whatever the device), then moved to ``device``."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(
         torch.nn.Linear(features, hidden), torch.nn.Tanh(),
-        torch.nn.Linear(hidden, classes)).to(dtype)
+        torch.nn.Linear(hidden, classes)).to(dtype).to(device)
 
 
 def hosts(comm):

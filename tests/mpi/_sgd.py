@@ -2,7 +2,7 @@
 comparison, the ranks' training loop, the binding check and a model with a branch."""
 
 import torch
-from _models import fixed_batch, mlp, shard
+from _models import fixed_batch, mlp, on, shard
 
 STEPS = 10  # reference()'s default
 OPTIMIZERS = {
@@ -17,7 +17,7 @@ def train_shards(model, opt, comm, dtype=torch.float64, steps=STEPS, *, zero_gra
     """``steps`` steps on this rank's shard of :func:`fixed_batch` (the reference's whole batch,
     split over the ranks): ``zero_grad(i)`` (default ``opt.zero_grad()``), forward, backward,
     ``step(i)`` (default ``opt.step()``)."""
-    x, y = fixed_batch(dtype)
+    x, y = fixed_batch(dtype, device=next(model.parameters()).device)
     xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
     for i in range(steps):
         zero_grad(i) if zero_grad else opt.zero_grad()
@@ -29,16 +29,17 @@ def check_binding(opt, binding):
     """``opt`` bound its tensors the ``binding`` way; staged ones are not views into the slot."""
     bound = opt.engine.binding
     assert bound.zero_copy == [binding == "zero_copy"] * len(bound.params)
-    if binding == "staged":
+    assert all(p.device.type == on(binding).type for p in bound.params)
+    if binding != "zero_copy":
         current = [p.grad if bound.what == "grad" else p.data for p in bound.params]
         assert all(t is None or t.data_ptr() != v.data_ptr() for t, v in zip(current, bound.views))
 
 
-def reference(dtype, make_opt, steps=STEPS, clip=None):
-    """Single-process training on the whole batch."""
-    model = mlp(dtype)
+def reference(dtype, make_opt, steps=STEPS, clip=None, device="cpu"):
+    """Single-process training on the whole batch, on ``device``."""
+    model = mlp(dtype, device=device)
     opt = make_opt(model.parameters())
-    x, y = fixed_batch(dtype)
+    x, y = fixed_batch(dtype, device=device)
     for _ in range(steps):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()

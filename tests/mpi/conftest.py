@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from mpi4py import MPI
 
 from hsgd._core.leftovers import unlink_mpi_files
@@ -46,12 +47,33 @@ def comm():
     return MPI.COMM_WORLD
 
 
-@pytest.fixture(params=["zero_copy", "staged"])
+def _need_cuda() -> None:
+    """Skip a ``cuda`` variant where there is no GPU, saying so. ``torch.cuda.is_available()``
+    gives the same answer on every rank of one machine, so the ranks skip together (and the
+    session's end compares the ranks' outcomes anyway)."""
+    if not torch.cuda.is_available():
+        pytest.skip("cuda variant: torch sees no GPU here (torch.cuda.is_available() is False)")
+    torch.cuda.set_device(MPI.COMM_WORLD.Get_rank() % torch.cuda.device_count())
+
+
+@pytest.fixture(params=["zero_copy", "staged", "cuda"])
 def binding(request):
-    """Both ways gradients (or parameters) meet the shared slot: as views into it (CPU
-    tensors) and staged, copied in and out (CUDA tensors; on the CPU with the mode's
-    ``zero_copy=False``). A test passes ``zero_copy=binding == "zero_copy"`` to the mode."""
+    """The ways gradients (or parameters) meet the shared slot: as views into it (CPU
+    tensors), staged, copied in and out, on the CPU (the mode's ``zero_copy=False``), and
+    staged from a GPU (``cuda``: model and batches on CUDA; skipped without a GPU). A test
+    passes ``zero_copy=binding == "zero_copy"`` to the mode and puts its model and batches on
+    ``on(binding)``."""
+    if request.param == "cuda":
+        _need_cuda()
     return request.param
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    """The device of a test's tensors: the CPU, and a GPU (skipped without one, saying why)."""
+    if request.param == "cuda":
+        _need_cuda()
+    return torch.device(request.param)
 
 
 @pytest.fixture(scope="module")

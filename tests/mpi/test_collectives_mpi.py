@@ -28,49 +28,52 @@ def test_rank_helpers(comm):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", FLOATS + INTEGERS)
-def test_allreduce_of_rank_valued_tensors(comm, shape, dtype):
+def test_allreduce_of_rank_valued_tensors(comm, shape, dtype, device):
     size, rank = comm.Get_size(), comm.Get_rank()
-    mine = torch.full(shape, rank + 1, dtype=dtype)
+    mine = torch.full(shape, rank + 1, dtype=dtype, device=device)
     ops = {"sum": size * (size + 1) / 2, "min": 1, "max": size}
     if dtype.is_floating_point:
         ops["mean"] = (size + 1) / 2
     for op, want in ops.items():
         got = hsgd.allreduce(mine, op=op)
-        assert got.dtype == dtype and got.shape == mine.shape, (op, got)
-        assert torch.equal(got, torch.full(shape, want, dtype=dtype)), (op, got, want)
-        assert torch.equal(mine, torch.full(shape, rank + 1, dtype=dtype))  # the input is untouched
+        assert got.dtype == dtype and got.shape == mine.shape and got.device == mine.device, (op, got)
+        assert torch.equal(got, torch.full(shape, want, dtype=dtype, device=device)), (op, got, want)
+        assert torch.equal(mine, torch.full(shape, rank + 1, dtype=dtype, device=device))  # the input is untouched
         inplace = mine.clone()
         assert hsgd.allreduce_(inplace, op=op) is inplace and torch.equal(inplace, got)
 
 
-def test_allreduce_in_place_on_a_non_contiguous_view(comm):
+def test_allreduce_in_place_on_a_non_contiguous_view(comm, device):
     size, rank = comm.Get_size(), comm.Get_rank()
-    base = torch.full((3, 4), float(rank), dtype=torch.float64)
+    base = torch.full((3, 4), float(rank), dtype=torch.float64, device=device)
     view = base.t()
     hsgd.allreduce_(view, op="sum")
-    assert torch.equal(base, torch.full((3, 4), size * (size - 1) / 2, dtype=torch.float64))
+    assert torch.equal(base, torch.full((3, 4), size * (size - 1) / 2, dtype=torch.float64, device=device))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64, torch.bool])
-def test_allgather_concatenates_rows_of_every_rank(comm, dtype):
+def test_allgather_concatenates_rows_of_every_rank(comm, dtype, device):
     size, rank = comm.Get_size(), comm.Get_rank()
     rows = rank  # rank 0 gives none: first dimensions differ
-    mine = torch.full((rows, 2), rank % 2 if dtype == torch.bool else rank, dtype=dtype)
+    mine = torch.full((rows, 2), rank % 2 if dtype == torch.bool else rank, dtype=dtype, device=device)
     got = hsgd.allgather(mine)
-    want = torch.cat([torch.full((r, 2), r % 2 if dtype == torch.bool else r, dtype=dtype) for r in range(size)])
-    assert got.dtype == dtype and torch.equal(got, want), got
-    scalars = hsgd.allgather(torch.tensor(rank * 10, dtype=dtype if dtype != torch.bool else torch.int64))
+    want = torch.cat([torch.full((r, 2), r % 2 if dtype == torch.bool else r, dtype=dtype, device=device)
+                      for r in range(size)])
+    assert got.dtype == dtype and got.device == mine.device and torch.equal(got, want), got
+    scalars = hsgd.allgather(torch.tensor(rank * 10, dtype=dtype if dtype != torch.bool else torch.int64,
+                                          device=device))
     assert scalars.tolist() == [r * 10 for r in range(size)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_broadcast_from_the_last_rank(comm, shape):
+def test_broadcast_from_the_last_rank(comm, shape, device):
     size, rank = comm.Get_size(), comm.Get_rank()
     root = size - 1
-    mine = torch.full(shape, float(rank), dtype=torch.float64)
+    mine = torch.full(shape, float(rank), dtype=torch.float64, device=device)
     got = hsgd.broadcast(mine, root_rank=root)
-    assert torch.equal(got, torch.full(shape, float(root), dtype=torch.float64))
-    assert torch.equal(mine, torch.full(shape, float(rank), dtype=torch.float64))  # a new tensor
+    assert got.device == mine.device and torch.equal(got, torch.full(shape, float(root), dtype=torch.float64,
+                                                                      device=device))
+    assert torch.equal(mine, torch.full(shape, float(rank), dtype=torch.float64, device=device))  # a new tensor
     assert hsgd.broadcast_(mine, root_rank=root) is mine and torch.equal(mine, got)
 
 

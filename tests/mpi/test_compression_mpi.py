@@ -22,13 +22,13 @@ def halved(small, plain):
     return abs(2 * small["inter_bytes"] - plain["inter_bytes"]) <= 2 * 8
 
 
-def one_step(comm, compression, inter_node, ranks_per_node, mode=HierarchicalSGD, **kw):
-    """One averaged step of float32 gradients; returns (averaged gradients, traffic)."""
+def one_step(comm, compression, inter_node, ranks_per_node, mode=HierarchicalSGD, device="cpu", **kw):
+    """One averaged step of float32 gradients on ``device``; returns (averaged gradients, traffic)."""
     topo = Topology.from_comm(comm, ranks_per_node=ranks_per_node)
-    model = mlp(torch.float32)
+    model = mlp(torch.float32, device=device)
     opt = mode(torch.optim.SGD(model.parameters(), lr=0.0), model, topology=topo,
                inter_node=inter_node, compression=compression, **kw)
-    x, y = fixed_batch(torch.float32)
+    x, y = fixed_batch(torch.float32, device=device)
     rank, size = comm.Get_rank(), comm.Get_size()
     opt.zero_grad()
     loss = torch.nn.functional.cross_entropy(model(shard(x, rank, size)), shard(y, rank, size))
@@ -49,11 +49,12 @@ def one_step(comm, compression, inter_node, ranks_per_node, mode=HierarchicalSGD
 
 @pytest.mark.parametrize("codec", ["fp16", "bf16"])
 @pytest.mark.parametrize("inter_node", ["leader", "sharded"])
-def test_compressed_average_matches_the_exact_one_and_halves_inter_node_bytes(comm, codec, inter_node):
+def test_compressed_average_matches_the_exact_one_and_halves_inter_node_bytes(comm, codec, inter_node, device):
     size = comm.Get_size()
     rpn = max(1, size // 2)  # two or more virtual nodes from 2 ranks on
-    exact, plain = one_step(comm, None, inter_node, rpn)
-    got, small = one_step(comm, codec, inter_node, rpn)
+    exact, plain = one_step(comm, None, inter_node, rpn, device=device)
+    got, small = one_step(comm, codec, inter_node, rpn, device=device)
+    assert got.device == exact.device == device
     assert close_to_16_bits(got, exact, codec, size), (got - exact).abs().max()
     if size == 1:
         assert torch.equal(got, exact) and small["inter_bytes"] == plain["inter_bytes"] == 0
@@ -66,12 +67,12 @@ def test_compressed_average_matches_the_exact_one_and_halves_inter_node_bytes(co
 
 
 @pytest.mark.parametrize("inter_node", ["leader", "sharded"])
-def test_overlap_compresses_each_bucket_in_the_background(comm, inter_node):
+def test_overlap_compresses_each_bucket_in_the_background(comm, inter_node, device):
     """overlap=True: every bucket's inter-node sums run as non-blocking 16-bit allreduces
     during backward; the result is the exact average to 16 bits, at half the bytes."""
     size = comm.Get_size()
     rpn = max(1, size // 2)
-    kw = {"overlap": True, "bucket_cap_mb": 1e-6}  # every tensor its own bucket
+    kw = {"overlap": True, "bucket_cap_mb": 1e-6, "device": device}  # every tensor its own bucket
     exact, plain = one_step(comm, None, inter_node, rpn, **kw)
     got, small = one_step(comm, "fp16", inter_node, rpn, **kw)
     assert close_to_16_bits(got, exact, "fp16", size), (got - exact).abs().max()
@@ -81,10 +82,10 @@ def test_overlap_compresses_each_bucket_in_the_background(comm, inter_node):
     assert all(torch.equal(g, every[0]) for g in every)
 
 
-def test_local_sgd_compresses_its_global_averages(comm):
+def test_local_sgd_compresses_its_global_averages(comm, device):
     size = comm.Get_size()
-    exact, plain = one_step(comm, None, "leader", 1, HierarchicalLocalSGD)
-    got, small = one_step(comm, "bf16", "leader", 1, HierarchicalLocalSGD)
+    exact, plain = one_step(comm, None, "leader", 1, HierarchicalLocalSGD, device=device)
+    got, small = one_step(comm, "bf16", "leader", 1, HierarchicalLocalSGD, device=device)
     assert close_to_16_bits(got, exact, "bf16", size)
     assert halved(small, plain) and (size == 1) == (plain["inter_bytes"] == 0), (small, plain)
 

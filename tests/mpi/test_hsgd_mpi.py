@@ -7,7 +7,7 @@ failed assertion on one rank must abort the job (tests/mpi/conftest.py), not run
 
 import pytest
 import torch
-from _models import LAYOUTS, expected_nodes, fixed_batch, mlp, shard
+from _models import LAYOUTS, expected_nodes, fixed_batch, mlp, on, shard
 from _sgd import OPTIMIZERS, Branchy, assert_params_close, check_binding, reference, train_shards
 
 from hsgd import HierarchicalLocalSGD, HierarchicalSGD, Topology, broadcast_parameters
@@ -40,7 +40,7 @@ def test_equals_single_process(comm, dtype, inter_node, opt_name):
 
 @pytest.mark.parametrize("rpn", [1, 3, None])
 def test_equals_single_process_any_layout(comm, rpn, binding):
-    model = mlp()
+    model = mlp(device=on(binding))
     make_opt = OPTIMIZERS["momentum_wd"]
     topo = Topology.from_comm(comm, ranks_per_node=rpn)
     opt = HierarchicalSGD(make_opt(model.parameters()), model, topology=topo, zero_copy=binding == "zero_copy")
@@ -50,13 +50,13 @@ def test_equals_single_process_any_layout(comm, rpn, binding):
         check_binding(opt, binding)
     # staged gradients: both zeroings
     train_shards(model, opt, comm, zero_grad=lambda i: opt.zero_grad(set_to_none=i % 2 == 0), step=step)
-    assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
+    assert_params_close(model, reference(torch.float64, make_opt, device=on(binding)), torch.float64)
     opt.close()
     topo.close()
 
 
 def test_clip_between_synchronize_and_step(comm, binding):
-    model = mlp()
+    model = mlp(device=on(binding))
     make_opt = OPTIMIZERS["sgd"]
     opt = HierarchicalSGD(make_opt(model.parameters()), model, zero_copy=binding == "zero_copy")
 
@@ -67,15 +67,15 @@ def test_clip_between_synchronize_and_step(comm, binding):
             opt.step()
     train_shards(model, opt, comm, step=step)
     check_binding(opt, binding)
-    assert_params_close(model, reference(torch.float64, make_opt, clip=0.05), torch.float64)
+    assert_params_close(model, reference(torch.float64, make_opt, clip=0.05, device=on(binding)), torch.float64)
     opt.close()
 
 
 def test_accumulation_over_micro_batches(comm, binding):
-    x, y = fixed_batch()
+    x, y = fixed_batch(device=on(binding))
     xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
     half = xs.shape[0] // 2
-    model = mlp()
+    model = mlp(device=on(binding))
     make_opt = OPTIMIZERS["momentum_wd"]
     opt = HierarchicalSGD(make_opt(model.parameters()), model, backward_passes_per_step=2,
                           zero_copy=binding == "zero_copy")
@@ -85,20 +85,20 @@ def test_accumulation_over_micro_batches(comm, binding):
             torch.nn.functional.cross_entropy(model(xs[part]), ys[part]).backward()
         opt.step()
     check_binding(opt, binding)
-    assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
+    assert_params_close(model, reference(torch.float64, make_opt, device=on(binding)), torch.float64)
     opt.close()
 
 
 def test_unused_branch_counts_as_zero(comm, binding):
-    model = Branchy()
-    x = torch.ones(2, 4, dtype=torch.float64)
+    model = Branchy().to(on(binding))
+    x = torch.ones(2, 4, dtype=torch.float64, device=on(binding))
     opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.0), model, zero_copy=binding == "zero_copy")
     for _ in range(2):
         opt.zero_grad(set_to_none=True)
         model(x, use_branch=comm.rank == 0).backward()
         opt.step()
     check_binding(opt, binding)
-    ref = Branchy()
+    ref = Branchy().to(on(binding))
     ref(x, use_branch=True).backward()
     want = ref.branch.weight.grad / comm.size
     torch.testing.assert_close(model.branch.weight.grad, want)
@@ -132,11 +132,11 @@ def test_gradients_written_in_place_are_averaged(comm, write, path):
 def test_zero_grad_sets_none_and_backward_fills_the_slot_without_a_copy(comm, binding):
     """zero_grad() leaves None (torch's default); backward's gradient lands in the slot and
     p.grad is a view of it (zero-copy) or private (staged); a second backward accumulates."""
-    x, y = fixed_batch()
-    model = mlp()
+    x, y = fixed_batch(device=on(binding))
+    model = mlp(device=on(binding))
     opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, zero_copy=binding == "zero_copy")
     bound = opt.engine.binding
-    want = mlp()
+    want = mlp(device=on(binding))
     torch.nn.functional.cross_entropy(want(x), y).backward()
     for micro in (1, 2):
         if micro == 1:
@@ -177,12 +177,12 @@ def test_autograd_grad_and_create_graph_bypass_the_slot(comm):
 
 def test_model_replaced_grads_are_picked_up(comm, binding):
     """A user zeroing through the model (set_to_none) must not lose gradients."""
-    model = mlp()
+    model = mlp(device=on(binding))
     make_opt = OPTIMIZERS["sgd"]
     opt = HierarchicalSGD(make_opt(model.parameters()), model, zero_copy=binding == "zero_copy")
     train_shards(model, opt, comm, zero_grad=lambda _: model.zero_grad(set_to_none=True))
     check_binding(opt, binding)
-    assert_params_close(model, reference(torch.float64, make_opt), torch.float64)
+    assert_params_close(model, reference(torch.float64, make_opt, device=on(binding)), torch.float64)
     opt.close()
 
 
@@ -296,8 +296,8 @@ def test_close_keeps_values_and_use_after_close_raises(comm):
 
 
 def test_parameter_no_rank_used_is_left_alone(comm, binding):
-    model = Branchy()
-    x = torch.ones(2, 4, dtype=torch.float64)
+    model = Branchy().to(on(binding))
+    x = torch.ones(2, 4, dtype=torch.float64, device=on(binding))
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
     before = model.branch.weight.detach().clone()
     opt = HierarchicalSGD(inner, model, zero_copy=binding == "zero_copy")
@@ -340,13 +340,13 @@ def test_synchronize_twice_averages_once(comm):
     opt.close()
 
 
-def local_sgd_reference(node_sizes, rank, make_opt, steps, intra, inter):
+def local_sgd_reference(node_sizes, rank, make_opt, steps, intra, inter, device="cpu"):
     """Every rank's replica in one process: each steps on its own shard, then the replicas of each
     node (virtual nodes: consecutive ranks) or of all ranks are replaced by their mean parameters
     on HierarchicalLocalSGD's schedule. Returns rank ``rank``'s parameters."""
     size = sum(node_sizes)
-    x, y = fixed_batch()
-    models = [mlp() for _ in range(size)]
+    x, y = fixed_batch(device=device)
+    models = [mlp(device=device) for _ in range(size)]
     opts = [make_opt(m.parameters()) for m in models]
     starts = [sum(node_sizes[:i]) for i in range(len(node_sizes))]
     nodes = [list(range(a, a + n)) for a, n in zip(starts, node_sizes)]
@@ -368,20 +368,20 @@ def local_sgd_reference(node_sizes, rank, make_opt, steps, intra, inter):
 @pytest.mark.parametrize("inter_node", ["leader", "sharded"])
 def test_local_sgd_equals_a_one_process_simulation(comm, inter_node, binding):
     topo = Topology.from_comm(comm, ranks_per_node=LAYOUTS[inter_node](comm))
-    model = mlp(seed=comm.rank)  # different init: the broadcast must fix it
+    model = mlp(seed=comm.rank, device=on(binding))  # different init: the broadcast must fix it
     make_opt = OPTIMIZERS["momentum_wd"]  # momentum stays each rank's own
     opt = HierarchicalLocalSGD(make_opt(model.parameters()), model, topology=topo, inter_node=inter_node,
                                intra_period=2, inter_period=2,  # global on 0 and 4, node on 2 and 6
                                zero_copy=binding == "zero_copy")
     check_strategy(opt, topo, inter_node)
-    x, y = fixed_batch()
+    x, y = fixed_batch(device=on(binding))
     for _ in range(7):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(shard(x, comm.rank, comm.size)),
                                           shard(y, comm.rank, comm.size)).backward()
         opt.step()
     check_binding(opt, binding)
-    want = local_sgd_reference(list(topo.node_sizes), comm.rank, make_opt, 7, 2, 2)
+    want = local_sgd_reference(list(topo.node_sizes), comm.rank, make_opt, 7, 2, 2, device=on(binding))
     assert_params_close(model, want, torch.float64)
     opt.close()
     topo.close()

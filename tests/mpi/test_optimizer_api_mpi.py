@@ -18,8 +18,8 @@ from hsgd import AsyncSGD, ElasticSGD, GossipSGD, HierarchicalLocalSGD, Hierarch
 STEPS = 6
 
 
-def batches(comm, steps=STEPS):
-    x, y = fixed_batch(torch.float64)
+def batches(comm, steps=STEPS, device="cpu"):
+    x, y = fixed_batch(torch.float64, device=device)
     rank, size = comm.Get_rank(), comm.Get_size()
     for t in range(steps):  # a different half of the batch each step, sharded over ranks
         lo = (t % 2) * (x.shape[0] // 2)
@@ -30,12 +30,12 @@ def params_of(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def train(comm, attach, steps=STEPS, **kwargs):
-    """Train with ``attach(opt) -> step_fn(loss)``; returns the final parameters."""
-    model = mlp(torch.float64)
+def train(comm, attach, steps=STEPS, device="cpu", **kwargs):
+    """Train on ``device`` with ``attach(opt) -> step_fn(loss)``; returns the final parameters."""
+    model = mlp(torch.float64, device=device)
     opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), model, **kwargs)
     step = attach(opt)
-    for x, y in batches(comm, steps):
+    for x, y in batches(comm, steps, device):
         opt.zero_grad()
         step(torch.nn.functional.cross_entropy(model(x), y), model)
     opt.close()
@@ -114,9 +114,9 @@ def test_step_and_state_dict_hooks_run_on_the_wrapper(comm):
     opt.close()
 
 
-def scaled(scaler_step):
+def scaled(scaler_step, device="cpu"):
     def attach(opt):
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** 12)
 
         def step(loss, model):
             scaler.scale(loss).backward()
@@ -146,23 +146,24 @@ def recipe_with_clipping_on_the_inner_optimizer(scaler, opt, model):
         scaler.step(opt.optimizer)
 
 
-def test_a_grad_scaler_on_the_wrapper_equals_one_on_the_inner_optimizer(comm):
+def test_a_grad_scaler_on_the_wrapper_equals_one_on_the_inner_optimizer(comm, device):
     # a power-of-two scale divides out exactly, so every path gives unscaled SGD's parameters
-    reference = train(comm, plain)
-    assert torch.equal(train(comm, scaled(plain_step)), reference)
-    clipped = train(comm, scaled(recipe_with_clipping_on_the_wrapper))
-    assert torch.equal(clipped, train(comm, scaled(recipe_with_clipping_on_the_inner_optimizer)))
+    reference = train(comm, plain, device=device)
+    assert torch.equal(train(comm, scaled(plain_step, device), device=device), reference)
+    clipped = train(comm, scaled(recipe_with_clipping_on_the_wrapper, device), device=device)
+    assert torch.equal(clipped, train(comm, scaled(recipe_with_clipping_on_the_inner_optimizer, device),
+                                      device=device))
     assert not torch.equal(clipped, reference)  # the clipping did act
 
 
 @pytest.mark.parametrize("mode", [HierarchicalSGD, HierarchicalLocalSGD])
-def test_inf_on_one_rank_skips_the_step_on_every_rank(comm, mode):
+def test_inf_on_one_rank_skips_the_step_on_every_rank(comm, mode, device):
     """The scaler on the last rank alone sees Inf: no rank steps, none hangs, replicas stay equal."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    model = mlp(torch.float64)
+    model = mlp(torch.float64, device=device)
     opt = mode(torch.optim.SGD(model.parameters(), lr=0.2), model)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
-    for t, (x, y) in enumerate(batches(comm, 4)):
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
+    for t, (x, y) in enumerate(batches(comm, 4, device)):
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         if t == 2 and rank == size - 1:

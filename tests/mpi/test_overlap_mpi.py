@@ -8,7 +8,7 @@ buckets, both level-2 strategies, unused parameters, gradient accumulation and c
 
 import pytest
 import torch
-from _models import LAYOUTS, fixed_batch, mlp, shard
+from _models import LAYOUTS, fixed_batch, mlp, on, shard
 from _sgd import OPTIMIZERS, Branchy, assert_params_close, check_binding, reference
 
 from hsgd import HierarchicalSGD, Topology
@@ -30,12 +30,12 @@ def layout(request, comm):
     topo.close()
 
 
-def train(comm, overlap, steps=STEPS, make_opt=OPTIMIZERS["momentum_wd"], clip=None, micro=1, **kw):
-    """``steps`` steps on this rank's shard in ``micro`` backward passes; with ``clip``, clipped
-    between synchronize() and step()."""
-    x, y = fixed_batch()
+def train(comm, overlap, steps=STEPS, make_opt=OPTIMIZERS["momentum_wd"], clip=None, micro=1, device="cpu", **kw):
+    """``steps`` steps on this rank's shard in ``micro`` backward passes, on ``device``; with
+    ``clip``, clipped between synchronize() and step()."""
+    x, y = fixed_batch(device=device)
     xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
-    model = mlp(seed=comm.rank)  # different init: the broadcast must fix it
+    model = mlp(seed=comm.rank, device=device)  # different init: the broadcast must fix it
     opt = HierarchicalSGD(make_opt(model.parameters()), model, overlap=overlap,
                           backward_passes_per_step=micro, **kw)
     part = xs.shape[0] // micro
@@ -62,11 +62,13 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("cap", [TINY, 25.0])
 def test_overlap_equals_single_process_and_no_overlap(comm, layout, cap, binding):
-    on, opt_on = train(comm, True, bucket_cap_mb=cap, zero_copy=binding == "zero_copy", **layout)
+    kw = {"zero_copy": binding == "zero_copy", "device": on(binding), **layout}
+    with_overlap, opt_on = train(comm, True, bucket_cap_mb=cap, **kw)
     assert len(opt_on.engine.overlap.buckets) == (5 if cap == TINY else 2)  # 4 tensors (+ the used-flags)
-    off, opt_off = train(comm, False, zero_copy=binding == "zero_copy", **layout)
-    assert_params_close(on, reference(torch.float64, OPTIMIZERS["momentum_wd"], STEPS), torch.float64)
-    assert_same(on, off)  # the same summation order, bit for bit (MPI's is the same at these sizes)
+    without, opt_off = train(comm, False, **kw)
+    assert_params_close(with_overlap, reference(torch.float64, OPTIMIZERS["momentum_wd"], STEPS, device=on(binding)),
+                        torch.float64)
+    assert_same(with_overlap, without)  # the same summation order, bit for bit (MPI's is the same at these sizes)
     check_binding(opt_on, binding)
     opt_on.close()
     opt_off.close()
@@ -74,8 +76,9 @@ def test_overlap_equals_single_process_and_no_overlap(comm, layout, cap, binding
 
 def test_clip_between_synchronize_and_step(comm, layout, binding):
     model, opt = train(comm, True, make_opt=OPTIMIZERS["sgd"], clip=0.05, bucket_cap_mb=TINY,
-                       zero_copy=binding == "zero_copy", **layout)
-    assert_params_close(model, reference(torch.float64, OPTIMIZERS["sgd"], STEPS, clip=0.05), torch.float64)
+                       zero_copy=binding == "zero_copy", device=on(binding), **layout)
+    want = reference(torch.float64, OPTIMIZERS["sgd"], STEPS, clip=0.05, device=on(binding))
+    assert_params_close(model, want, torch.float64)
     check_binding(opt, binding)
     opt.close()
 
@@ -112,11 +115,12 @@ def test_backward_returns_with_the_average_as_with_ddp(comm, layout):
 @pytest.mark.parametrize("how", ["backward_passes_per_step", "no_sync"])
 def test_accumulation_over_micro_batches(comm, layout, how, binding):
     if how == "backward_passes_per_step":
-        model, opt = train(comm, True, micro=2, bucket_cap_mb=TINY, zero_copy=binding == "zero_copy", **layout)
+        model, opt = train(comm, True, micro=2, bucket_cap_mb=TINY, zero_copy=binding == "zero_copy",
+                           device=on(binding), **layout)
     else:  # DDP's way: the first pass inside no_sync(), the last one averages
-        x, y = fixed_batch()
+        x, y = fixed_batch(device=on(binding))
         xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
-        model = mlp()
+        model = mlp(device=on(binding))
         opt = HierarchicalSGD(OPTIMIZERS["momentum_wd"](model.parameters()), model, overlap=True,
                               bucket_cap_mb=TINY, zero_copy=binding == "zero_copy", **layout)
         half = xs.shape[0] // 2
@@ -126,7 +130,8 @@ def test_accumulation_over_micro_batches(comm, layout, how, binding):
                 (torch.nn.functional.cross_entropy(model(xs[:half]), ys[:half]) / 2).backward()
             (torch.nn.functional.cross_entropy(model(xs[half:]), ys[half:]) / 2).backward()
             opt.step()
-    assert_params_close(model, reference(torch.float64, OPTIMIZERS["momentum_wd"], STEPS), torch.float64)
+    assert_params_close(model, reference(torch.float64, OPTIMIZERS["momentum_wd"], STEPS, device=on(binding)),
+                        torch.float64)
     check_binding(opt, binding)
     opt.close()
 
@@ -135,14 +140,15 @@ def test_unused_parameters(comm, layout, binding):
     """A branch used on rank 0 only counts as zero elsewhere; one no rank uses keeps None."""
     model = Branchy()
     model.spare = torch.nn.Linear(2, 2).double()  # never used
-    x = torch.ones(2, 4, dtype=torch.float64)
+    model.to(on(binding))
+    x = torch.ones(2, 4, dtype=torch.float64, device=on(binding))
     opt = HierarchicalSGD(torch.optim.SGD(model.parameters(), lr=0.0), model, overlap=True,
                           bucket_cap_mb=TINY, zero_copy=binding == "zero_copy", **layout)
     for _ in range(2):
         opt.zero_grad()
         model(x, use_branch=comm.rank == 0).backward()
         opt.step()
-    with_branch, without = Branchy(), Branchy()
+    with_branch, without = Branchy().to(on(binding)), Branchy().to(on(binding))
     with_branch(x, use_branch=True).backward()
     without(x, use_branch=False).backward()
     torch.testing.assert_close(model.branch.weight.grad, with_branch.branch.weight.grad / comm.size)
