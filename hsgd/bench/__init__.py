@@ -1,13 +1,15 @@
 """Benchmarks for your own cluster: ``python -m hsgd.bench SUBCOMMAND [options]``.
 
-How fast hsgd averages against MPI and gloo (``allreduce``), and how fast it trains
-against torch's DDP, model averagers and Horovod (``train``). Every subcommand launches
+How fast hsgd averages against MPI and gloo (``allreduce``), how fast it trains
+against torch's DDP, model averagers and Horovod (``train``), and what staging a GPU's
+gradients through host memory costs against the copy floor (``staging``). Every subcommand launches
 ``mpiexec`` on itself, takes ``--repeats`` timed runs after ``--warmup`` untimed ones,
 prints a markdown table of medians and can write the raw measurements (``--json PATH``)::
 
     python -m hsgd.bench --help                      # the subcommands
     python -m hsgd.bench allreduce --ranks 2 --sizes 1e6 --repeats 5
     python -m hsgd.bench train --ranks 4 --workloads mlp --repeats 3
+    python -m hsgd.bench staging --device cuda --ranks 1 2
 
 The investigations and the runs across emulated hosts are the lab's, beside the package
 in a clone (``python -m lab.bench --help``). How each measures: docs/benchmark-methods.md.
@@ -27,4 +29,5 @@ __all__ = ["SUBCOMMANDS"]
 SUBCOMMANDS = {
     "allreduce": "allreduce",
     "train": "training_steps",
+    "staging": "staging",
 }

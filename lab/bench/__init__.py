@@ -32,5 +32,6 @@ SUBCOMMANDS = (
     "restart",
     "model",
     "train",
+    "staging",
     "race",
 )

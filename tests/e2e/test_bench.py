@@ -39,6 +39,11 @@ SMOKE = {
                   "| ranks | floats | hsgd ms | hsgd 2-level ms | MPI ms | gloo ms | MPI/hsgd | gloo/hsgd "
                   "| copy ms | add ms |",
                   lambda raw: [*raw[0]["times"].values(), raw[0]["copy"], raw[0]["add"]], 2),
+    "staging": (["--device", "cpu", "--ranks", "2", "--workloads", "mlp2m", "--repeats", "2", "--warmup", "1"],
+                "| device | ranks | workload | MB | tensors | gather ms | scatter ms | staging ms | floor pageable ms "
+                "| floor pinned ms | staging / pageable floor | staging / pinned floor | D2H pageable GB/s "
+                "| H2D pageable GB/s | D2H pinned GB/s | H2D pinned GB/s |",
+                lambda raw: list(raw[0]["times"].values()), 2),
     "io": (["--gib", "0.001", "--ranks", "2", "--repeats", "1", "--bounded-seconds", "0.2", "--batch-size", "16"],
            "| data | ranks | cache | loader | DataLoader* | fancy* | raw | loader/DataLoader | loader/fancy "
            "| loader/raw |",
@@ -120,13 +125,13 @@ def test_every_subcommand_has_a_smoke_test():
 
 
 def test_the_package_runs_what_a_user_measures_on_their_cluster():
-    """``python -m hsgd.bench --help`` lists allreduce and train; the lab's subcommands are not there."""
+    """``python -m hsgd.bench --help`` lists allreduce, train and staging; the lab's subcommands are not there."""
     proc = subprocess.run([sys.executable, "-m", "hsgd.bench", "--help"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("    ") and line.split()
               and not line.startswith("     ")]
-    assert list(SUBCOMMANDS) == ["allreduce", "train"] and listed == list(SUBCOMMANDS), proc.stdout
+    assert list(SUBCOMMANDS) == ["allreduce", "train", "staging"] and listed == list(SUBCOMMANDS), proc.stdout
     lab = subprocess.run([sys.executable, "-m", "lab.bench", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert lab.returncode == 0, lab.stderr
