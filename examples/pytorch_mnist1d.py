@@ -7,6 +7,7 @@ print on rank 0. The differences are the lines marked ``# hsgd``::
 
     mpiexec -n 4 python examples/pytorch_mnist1d.py
     mpiexec -n 4 python examples/pytorch_mnist1d.py --epochs 20 --compression bf16 --use-mixed-precision
+    mpiexec -n 2 python examples/pytorch_mnist1d.py --device cuda   # one GPU per rank of a host, or shared
 
 MNIST-1D (Greydanus 2020: 40-sample 1-D signals of the ten digits) is
 generated offline the first time into ``--data-dir`` by rank 0 (about 20 s
@@ -50,6 +51,8 @@ def parse_args(argv=None):
     parser.add_argument("--samples", type=int, default=40000, help="MNIST-1D samples to generate (80%% train)")
     parser.add_argument("--data-dir", default="~/.cache/hsgd", help="where the generated data set is kept")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                        help="cpu, cuda (GPU local_rank %% count; exit 2 if a rank has none) or auto")
     return parser.parse_args(argv)
 
 
@@ -71,12 +74,13 @@ class Net(torch.nn.Module):
         return self.fc(x.flatten(1))
 
 
-def train(epoch, model, optimizer, loader, scaler, args):
+def train(epoch, model, optimizer, loader, scaler, device, args):
     model.train()
     loader.set_epoch(epoch)
     for batch_idx, (data, target) in enumerate(loader):
+        data, target = data.to(device), target.to(device)
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.use_mixed_precision):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.use_mixed_precision):
             loss = F.cross_entropy(model(data), target)
         if scaler is not None:
             scaler.scale(loss).backward()
@@ -90,15 +94,34 @@ def train(epoch, model, optimizer, loader, scaler, args):
                   f" ({100.0 * batch_idx / len(loader):.0f}%)]\tLoss: {loss.item():.6f}")
 
 
+def pick_device(choice, prog):
+    """``cpu``, or this rank's GPU (its index among the ranks of its host), as Horovod's
+    ``torch.cuda.set_device(hvd.local_rank())``; ``auto``: the GPUs when every rank has one.
+    Every rank reaches the same answer, so a rank without a GPU stops the job instead of hanging it."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    everywhere = hsgd.allreduce(torch.tensor(int(torch.cuda.is_available())), op="min").item()
+    if not everywhere:
+        if choice == "cuda":
+            if hsgd.rank() == 0:
+                print(f"{prog}: error: --device cuda, but torch sees no GPU on at least one rank: "
+                      "use --device cpu or auto", file=sys.stderr)
+            sys.exit(2)
+        return torch.device("cpu")
+    torch.cuda.set_device(hsgd.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda")
+
+
 def metric_average(value, name):
     return hsgd.allreduce(torch.tensor(value, dtype=torch.float64), op="sum").item()
 
 
-def test(model, loader):
+def test(model, loader, device):
     model.eval()
     test_loss, correct, count = 0.0, 0, 0
     with torch.no_grad():
         for data, target in loader:  # every test sample exactly once over all ranks
+            data, target = data.to(device), target.to(device)
             output = model(data)
             test_loss += F.cross_entropy(output, target, reduction="sum").item()
             correct += int((output.argmax(1) == target).sum())
@@ -114,10 +137,11 @@ def test(model, loader):
 
 def main(argv=None):
     args = parse_args(argv)
+    device = pick_device(args.device, "pytorch_mnist1d.py")
     if args.use_mixed_precision:
         # hsgd: bf16 kernels kill the process on some CPUs; try them in a child process first
-        # (every rank gets the same answer, so every rank exits alike)
-        problem = check_autocast("cpu", torch.bfloat16, off="drop --use-mixed-precision")
+        # (every rank gets the same answer, so every rank exits alike; a GPU needs no probe)
+        problem = check_autocast(device.type, torch.bfloat16, off="drop --use-mixed-precision")
         if problem:
             if hsgd.rank() == 0:
                 print(f"pytorch_mnist1d.py: error: --use-mixed-precision: {problem}", file=sys.stderr)
@@ -129,7 +153,7 @@ def main(argv=None):
     train_loader = hsgd.ContiguousH5Loader(path, "x_train", "y_train", batch_size=args.batch_size, seed=args.seed)
     test_loader = hsgd.ContiguousH5Loader(path, "x_test", "y_test", batch_size=args.test_batch_size,
                                           shuffle=False, drop_last=False, pad=False)
-    model = Net()
+    model = Net().to(device)
     # Horovod: scale the learning rate by the number of workers
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hsgd.size(), momentum=args.momentum)
     # hsgd: the wrapper broadcasts the parameters from rank 0 when it is built; the explicit
@@ -138,11 +162,11 @@ def main(argv=None):
                                      compression=args.compression)
     hsgd.broadcast_parameters(model.state_dict(), root_rank=0)
     hsgd.broadcast_optimizer_state(optimizer, root_rank=0)
-    scaler = torch.amp.GradScaler("cpu") if args.use_mixed_precision else None
+    scaler = torch.amp.GradScaler(device.type) if args.use_mixed_precision else None
     accuracy = 0.0
     for epoch in range(1, args.epochs + 1):
-        train(epoch, model, optimizer, train_loader, scaler, args)
-        accuracy = test(model, test_loader)
+        train(epoch, model, optimizer, train_loader, scaler, device, args)
+        accuracy = test(model, test_loader, device)
     optimizer.close()  # hsgd: collective, frees the shared window
     train_loader.close()
     test_loader.close()

@@ -6,6 +6,7 @@ per second per rank and in total, with a 95 % interval over iterations::
     mpiexec -n 4 python examples/pytorch_synthetic_benchmark.py
     mpiexec -n 4 python examples/pytorch_synthetic_benchmark.py --model cnn --batch-size 64
     HSGD_RANKS_PER_NODE=2 mpiexec -n 4 python examples/pytorch_synthetic_benchmark.py --compression bf16
+    mpiexec -n 2 python examples/pytorch_synthetic_benchmark.py --device cuda
 
 Horovod's default is ResNet-50 on ImageNet-sized images from torchvision;
 hsgd's examples depend on torch only, so the models are an MLP (``mlp``,
@@ -16,7 +17,8 @@ by side.
 """
 
 import argparse
-import timeit
+import sys
+import time
 
 import numpy as np
 import torch
@@ -39,6 +41,8 @@ def parse_args(argv=None):
     parser.add_argument("--inter-node", choices=["leader", "sharded"], default="leader",
                         help="who allreduces across nodes")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                        help="cpu, cuda (GPU local_rank %% count; exit 2 if a rank has none) or auto")
     return parser.parse_args(argv)
 
 
@@ -60,6 +64,24 @@ def build(args):
     return model, data, target
 
 
+def pick_device(choice, prog):
+    """``cpu``, or this rank's GPU (its index among the ranks of its host), as Horovod's
+    ``torch.cuda.set_device(hvd.local_rank())``; ``auto``: the GPUs when every rank has one.
+    Every rank reaches the same answer, so a rank without a GPU stops the job instead of hanging it."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    everywhere = hsgd.allreduce(torch.tensor(int(torch.cuda.is_available())), op="min").item()
+    if not everywhere:
+        if choice == "cuda":
+            if hsgd.rank() == 0:
+                print(f"{prog}: error: --device cuda, but torch sees no GPU on at least one rank: "
+                      "use --device cpu or auto", file=sys.stderr)
+            sys.exit(2)
+        return torch.device("cpu")
+    torch.cuda.set_device(hsgd.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda")
+
+
 def log(message):
     if hsgd.rank() == 0:
         print(message, flush=True)
@@ -67,9 +89,11 @@ def log(message):
 
 def main(argv=None):
     args = parse_args(argv)
+    device = pick_device(args.device, "pytorch_synthetic_benchmark.py")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     model, data, target = build(args)
+    model, data, target = model.to(device), data.to(device), target.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hsgd.size())
     optimizer = hsgd.HierarchicalSGD(optimizer, named_parameters=model.named_parameters(),
                                      compression=args.compression, inter_node=args.inter_node)
@@ -79,16 +103,25 @@ def main(argv=None):
         F.cross_entropy(model(data), target).backward()
         optimizer.step()
 
+    def seconds_of(batches):
+        """Wall seconds of ``batches`` steps, the GPU's queue drained at the end."""
+        start = time.perf_counter()
+        for _ in range(batches):
+            benchmark_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
     params = sum(p.numel() for p in model.parameters())
     log(f"Model: {args.model} ({params / 1e6:.2f}M parameters)")
     log(f"Batch size: {args.batch_size}")
-    log(f"Number of ranks: {hsgd.size()} ({hsgd.local_size()} on this node)")
+    log(f"Number of ranks: {hsgd.size()} ({hsgd.local_size()} on this node), device: {device}")
     log("Running warmup...")
-    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    seconds_of(args.num_warmup_batches)
     log("Running benchmark...")
     rates = []
     for i in range(args.num_iters):
-        seconds = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
+        seconds = seconds_of(args.num_batches_per_iter)
         rate = args.batch_size * args.num_batches_per_iter / seconds
         log(f"Iter #{i}: {rate:.1f} samples/sec per rank")
         rates.append(rate)

@@ -17,7 +17,7 @@ import argparse
 import os
 import time
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 __all__ = ["worker"]
 
@@ -52,7 +52,7 @@ class _Method:
     def __init__(self, workload, batches, wrap, after_step=None, model_wrap=None):
         import torch
 
-        self.model = _model(workload)
+        self.model = _model(workload).to(batches[0][0].device)  # the batches' device
         self.net = self.model if model_wrap is None else model_wrap(self.model)
         inner = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.opt = wrap(inner, self.model)
@@ -72,8 +72,9 @@ class _Method:
             self.opt.close()
 
 
-def _methods(workload, batches, comm, topologies, period, local: bool, skipped: list):
-    """The methods in order (the same on every rank; building them is collective)."""
+def _methods(workload, batches, comm, topologies, period, local: bool, skipped: list, only=None):
+    """The methods in order (the same on every rank; building them is collective); ``only``: the
+    names to build (None: all)."""
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
     from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
         HierarchicalModelAverager,
@@ -83,43 +84,43 @@ def _methods(workload, batches, comm, topologies, period, local: bool, skipped: 
     from hsgd import HierarchicalLocalSGD, HierarchicalSGD
 
     plain = lambda inner, model: inner  # noqa: E731
-    made = OrderedDict()
-    made["no comm"] = _Method(workload, batches, plain)
-    made["hsgd"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(o, m, topology=topologies[1]))
-    made["hsgd overlap"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
-        o, m, topology=topologies[1], overlap=True))
+    made: Dict[str, Callable[[], _Method]] = OrderedDict()  # name -> how to build it
+
+    def add(name, wrap, **kw):
+        made[name] = lambda: _Method(workload, batches, wrap, **kw)
+
+    add("no comm", plain)
+    add("hsgd", lambda o, m: HierarchicalSGD(o, m, topology=topologies[1]))
+    add("hsgd overlap", lambda o, m: HierarchicalSGD(o, m, topology=topologies[1], overlap=True))
     if 2 in topologies:
         for how in ("leader", "sharded"):
-            made[f"hsgd {how} 2n"] = _Method(workload, batches, lambda o, m, how=how: HierarchicalSGD(
+            add(f"hsgd {how} 2n", lambda o, m, how=how: HierarchicalSGD(
                 o, m, topology=topologies[2], inter_node=how))
-        made["hsgd overlap sharded 2n"] = _Method(workload, batches, lambda o, m: HierarchicalSGD(
+        add("hsgd overlap sharded 2n", lambda o, m: HierarchicalSGD(
             o, m, topology=topologies[2], inter_node="sharded", overlap=True))
     for name, view in (("DDP", False), ("DDP bucket view", True)):
-        made[name] = _Method(workload, batches, plain, model_wrap=lambda m, view=view: DistributedDataParallel(
+        add(name, plain, model_wrap=lambda m, view=view: DistributedDataParallel(
             m, gradient_as_bucket_view=view))
     import hsgd.horovod as hsgd_horovod
 
     hsgd_horovod.init()
     for name, overlap in (("hsgd.horovod", False), ("hsgd.horovod overlap", True)):
-        made[name] = _Method(workload, batches, lambda o, m, overlap=overlap: _horovod_optimizer(
-            hsgd_horovod, o, m, overlap=overlap))
+        add(name, lambda o, m, overlap=overlap: _horovod_optimizer(hsgd_horovod, o, m, overlap=overlap))
     horovod = _horovod(skipped)
     if horovod is not None:
-        made["Horovod"] = _Method(workload, batches, lambda o, m: _horovod_optimizer(horovod, o, m))
+        add("Horovod", lambda o, m: _horovod_optimizer(horovod, o, m))
     if local:
-        made["hsgd local"] = _Method(workload, batches, lambda o, m: HierarchicalLocalSGD(
+        add("hsgd local", lambda o, m: HierarchicalLocalSGD(
             o, m, topology=topologies[1], intra_period=period, inter_period=1))
         flat = PeriodicModelAverager(period=period, warmup_steps=0)
-        made["torch periodic"] = _Method(workload, batches, plain,
-                                         after_step=lambda m: flat.average_parameters(m.parameters()))
+        add("torch periodic", plain, after_step=lambda m: flat.average_parameters(m.parameters()))
         if 2 in topologies:
-            made["hsgd local 2n"] = _Method(workload, batches, lambda o, m: HierarchicalLocalSGD(
+            add("hsgd local 2n", lambda o, m: HierarchicalLocalSGD(
                 o, m, topology=topologies[2], intra_period=period // 2, inter_period=4))
             tiers = HierarchicalModelAverager(OrderedDict([(period // 2, comm.size // 2), (2 * period, comm.size)]),
                                               warmup_steps=0)
-            made["torch hierarchical"] = _Method(workload, batches, plain,
-                                                 after_step=lambda m: tiers.average_parameters(m.parameters()))
-    return made
+            add("torch hierarchical", plain, after_step=lambda m: tiers.average_parameters(m.parameters()))
+    return OrderedDict((name, build()) for name, build in made.items() if only is None or name in only)
 
 
 def _horovod(skipped: list):
@@ -140,13 +141,17 @@ def _horovod_optimizer(hvd, inner, model, **hsgd_only):
     return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), **hsgd_only)
 
 
-def _batches(count, per_rank, rank, workload):
+def _batches(count, per_rank, rank, workload, device="cpu"):
     import torch
 
     shape = (MLP2M[0],) if workload == "mlp2m" else SAMPLE
-    gen = torch.Generator().manual_seed(1000 + rank)
-    return [(torch.randn(per_rank, *shape, generator=gen), torch.randint(0, CLASSES, (per_rank,), generator=gen))
-            for _ in range(count)]
+    gen = torch.Generator().manual_seed(1000 + rank)  # drawn on the CPU: the same numbers on any device
+    return [(torch.randn(per_rank, *shape, generator=gen).to(device),
+             torch.randint(0, CLASSES, (per_rank,), generator=gen).to(device)) for _ in range(count)]
+
+
+def _nothing() -> None:
+    """A CPU's work is done when the call returns."""
 
 
 def worker(args, across=None):
@@ -171,6 +176,11 @@ def worker(args, across=None):
             topologies[2] = Topology.from_comm(comm, ranks_per_node=comm.size // 2)
     threads = os.environ.get("OMP_NUM_THREADS", "")
     local_size = next(iter(topologies.values())).local_size
+    device = torch.device(getattr(args, "device", "cpu"))
+    sync: Callable[[], None] = _nothing
+    if device.type == "cuda":  # the GPU of this rank's index on its host (shared when there are fewer)
+        torch.cuda.set_device(next(iter(topologies.values())).local_rank % torch.cuda.device_count())
+        sync = torch.cuda.synchronize
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
                           else max(1, len(os.sched_getaffinity(0)) // local_size))
     if hosts:
@@ -183,11 +193,13 @@ def worker(args, across=None):
     for workload in args.workloads:
         per_rank = args.cnn_batch if workload == "cnn" else args.mlp_batch
         skipped: List[str] = []
-        batches = _batches(args.batches, per_rank, comm.rank, workload)
+        batches = _batches(args.batches, per_rank, comm.rank, workload, device)
+        only = getattr(args, "methods", None)
         if hosts:
             methods = across.methods(workload, batches, comm, topologies["hosts"], skipped)
         else:
-            methods = _methods(workload, batches, comm, topologies, args.period, args.local, skipped)
+            methods = _methods(workload, batches, comm, topologies, args.period, args.local, skipped,
+                               only=None if only is None else {"no comm", "hsgd", *only})  # the tables need both
         names = list(methods)
         times: Dict[str, List[float]] = {name: [] for name in names}
         # per host: (sent, received), summed over the timed repeats
@@ -199,9 +211,11 @@ def worker(args, across=None):
                 comm.Barrier()
                 if meter is not None:
                     meter.start()
+                sync()
                 start = time.perf_counter()
                 for i in range(step, step + args.steps):
                     methods[name].step(i)
+                sync()  # a GPU's queued work counts
                 seconds = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
                 moved = meter.stop() if meter is not None else None
                 if round_ >= args.warmup:
@@ -216,6 +230,7 @@ def worker(args, across=None):
         for name in names:
             methods[name].close()
         row = {"workload": workload, "ranks": comm.size, "batch": per_rank, "numel": numel,
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
                "threads": torch.get_num_threads(), "times": times, "average": average, "skipped": skipped}
         if hosts:
             row.update(across.limits(times, crossed, args))

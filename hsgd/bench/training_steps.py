@@ -42,10 +42,22 @@ def add_arguments(p) -> None:
     p.add_argument("--period", type=int_at_least(2), default=4,
                    help="local SGD period P; even (the 2-node runs average in the node every P/2) (4)")
     p.add_argument("--no-local", dest="local", action="store_false", help="skip the local-SGD methods")
+    p.add_argument("--methods", nargs="+", choices=[*SYNC, *LOCAL], default=None, metavar="METHOD",
+                   help="time these methods only; 'no comm' and 'hsgd' always run (the overhead table "
+                        f"needs them): {', '.join(repr(m) for m in (*SYNC, *LOCAL))} (all)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where models and batches live: cpu, or cuda (each rank's GPU: its index on its host "
+                        "modulo the GPUs; DDP stays on gloo, which takes CUDA tensors) (cpu)")
     p.add_argument("--port", dest="_port", type=int, default=0, help=argparse.SUPPRESS)  # gloo's, set by run()
 
 
 def check(args, extra, parser) -> None:
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("argument --device: cuda, but torch sees no GPU here (torch.cuda.is_available() is "
+                         "False): run on a GPU host, or use --device cpu")
     if args.period % 2:
         parser.error(f"argument --period: {args.period} is odd; the 2-node local SGD averages in the "
                      f"node every P/2 steps: use an even period such as {args.period + 1}")
@@ -67,8 +79,9 @@ def _ratio(a, b) -> str:
 
 def tables(rows, args):
     """On one host: per workload, a table of the synchronous methods, of local SGD, of the overhead."""
+    where = rows[0].get("device", "CPU") if rows else "CPU"
     title = (f"median of {args.repeats} repeats of {args.steps} steps after {args.warmup} warm-up "
-             f"(slowest rank), {os.cpu_count()} cores; cells: ms per step")
+             f"(slowest rank), {os.cpu_count()} cores, {where}; cells: ms per step")
     skipped = sorted({note for r in rows for note in r["skipped"]})
     tables = []
     for workload in WORKLOADS:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from mpirun import ROOT, run_command
 
 from hsgd.bench import SUBCOMMANDS
@@ -234,6 +235,8 @@ def test_model_predicts_without_measuring_and_draws(tmp_path):
     (["hsgd.bench", "allreduce", "--hosts", "2"], "unrecognized arguments: --hosts 2"),  # emulated hosts: the lab's
     (["hsgd.bench", "io"], "argument SUBCOMMAND: invalid choice: 'io'"),
     (["hsgd.bench", "train", "--period", "3"], "argument --period: 3 is odd"),
+    (["hsgd.bench", "train", "--methods", "DDP", "bogus"], "argument --methods: invalid choice: 'bogus'"),
+    (["hsgd.bench", "staging", "--workloads", "resnet"], "argument --workloads: invalid choice: 'resnet'"),
 ])
 def test_a_bad_option_gives_one_error_and_exit_2(args, message):
     package = args[0] if args[0] == "hsgd.bench" else PACKAGE.get(args[0], "lab.bench")
@@ -244,3 +247,22 @@ def test_a_bad_option_gives_one_error_and_exit_2(args, message):
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], proc.stderr
     assert proc.stdout == ""
+
+
+def test_train_times_the_methods_asked_for_and_the_two_every_table_needs(tmp_path):
+    out = tmp_path / "train.json"
+    proc = run_command([sys.executable, "-m", "hsgd.bench", "train", "--ranks", "2", "--workloads", "cnn",
+                        "--steps", "1", "--repeats", "1", "--warmup", "0", "--cnn-batch", "8", "--no-local",
+                        "--methods", "DDP", "--json", str(out), "--progress", "none"], timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(json.loads(out.read_text())["raw"][0]["times"]) == ["DDP", "hsgd", "no comm"]
+
+
+@pytest.mark.parametrize("name", ["train", "staging"])
+def test_device_cuda_without_a_gpu_is_refused_before_anything_runs(name):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda runs here (scripts/gpu_checks.sh)")
+    proc = run_command([sys.executable, "-m", "hsgd.bench", name, "--device", "cuda"], timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "argument --device: cuda, but torch sees no GPU here (torch.cuda.is_available() is False): run on a GPU "
+        f"host, or {'use --device cpu' if name == 'train' else 'measure CPU staging with --device cpu'}"), proc.stderr

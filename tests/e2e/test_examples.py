@@ -67,3 +67,24 @@ def test_synthetic_benchmark_reports_rates_and_compressed_traffic():
     assert re.search(r"Total samples/sec on 2 rank\(s\): [0-9.]+ \+-[0-9.]+", proc.stdout), proc.stdout
     moved = re.search(r"([0-9.]+) MB across nodes", proc.stdout)
     assert moved and float(moved.group(1)) > 0, proc.stdout  # 2 virtual nodes: the sums crossed
+
+
+@pytest.mark.parametrize("script", ["pytorch_mnist1d.py", "pytorch_synthetic_benchmark.py"])
+def test_device_cuda_without_a_gpu_exits_2_on_every_rank_with_one_error(cache, script):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda runs there (scripts/gpu_checks.sh)")
+    data = ["--data-dir", cache] if script == "pytorch_mnist1d.py" else []
+    proc = run_mpi(2, [str(EXAMPLES / script), "--device", "cuda", *data], timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors == [f"{script}: error: --device cuda, but torch sees no GPU on at least one rank: "
+                      "use --device cpu or auto"], proc.stderr
+
+
+def test_mnist1d_example_on_a_gpu(cache):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU: torch.cuda.is_available() is False")
+    proc = run_mnist1d(cache, "--device", "cuda")
+    assert proc.returncode == 0, proc.stderr
+    tests = re.findall(r"Test set: Average loss: ([0-9.]+), Accuracy: ([0-9.]+)%", proc.stdout)
+    assert len(tests) == 2 and float(tests[-1][1]) > 20.0, proc.stdout
