@@ -24,6 +24,7 @@ import torch
 
 from .._core.agree import collective_error
 from ..errors import InputTypeError
+from .staging import Staging
 from .torch_compat import version
 
 __all__ = ["SlotBinding", "SlotOwner", "SlotLayout", "FlatSlot", "FlatLayout", "slot_views"]
@@ -126,7 +127,8 @@ class SlotBinding:
     version counter and an assignment as another data pointer (:meth:`gather`).
 
     With ``zero_copy=False`` CPU tensors are staged too, as tensors on any other device
-    always are (the GPU path, run on the CPU).
+    always are (the GPU path, run on the CPU). Staged tensors cross in runs, through a flat
+    buffer on their device and, on a GPU, page-locked slot pages (:mod:`hsgd._engine.staging`).
     """
 
     def __init__(self, averager: SlotOwner, params: Sequence[torch.nn.Parameter], what: str,
@@ -140,6 +142,7 @@ class SlotBinding:
         self.views: List[torch.Tensor] = slot_views(averager, self.params)
         self._versions = [version(view) for view in self.views]
         self.zero_copy = [zero_copy and p.device.type == "cpu" for p in self.params]
+        self.staging = Staging(places, self.params, [not zc for zc in self.zero_copy], averager.own)
         self.flags = None
         if flags:
             seg, off = places[len(self.params)]
@@ -188,13 +191,17 @@ class SlotBinding:
     def gather(self, indices: Optional[Sequence[int]] = None) -> None:
         """Make the slot hold every parameter's current gradient (or value); ``indices``: only
         those parameters' (a bucket, ``hsgd.hierarchical.overlap``)."""
+        staged = {}
         with torch.no_grad():
             for i in range(len(self.params)) if indices is None else indices:
                 p, view, zc = self.params[i], self.views[i], self.zero_copy[i]
                 cur, used = self._current(p), False
-                if cur is None:
+                if not zc:
+                    staged[i] = cur  # None: zero
+                    used = cur is not None
+                elif cur is None:
                     view.zero_()
-                elif not (zc and cur.data_ptr() == view.data_ptr()):
+                elif cur.data_ptr() != view.data_ptr():
                     view.copy_(cur)
                     used = True  # assigned by the user, or a fresh tensor from backward
                 elif cur is not view or version(cur) != self._versions[i]:
@@ -204,19 +211,22 @@ class SlotBinding:
                 if self.flags is not None:
                     self.flags[i] = 1.0 if used else 0.0
                 self._versions[i] = version(view)
+        if staged:
+            self.staging.gather(staged)
 
     def scatter(self) -> None:
         """After averaging: give staged parameters the result, unused ones ``None``."""
+        self.staging.scatter()
         with torch.no_grad():
-            for i, (p, view, zc) in enumerate(zip(self.params, self.views, self.zero_copy)):
+            for i, (p, zc) in enumerate(zip(self.params, self.zero_copy)):
                 if self.flags is not None and self.flags[i] == 0:
                     p.grad = None  # no rank produced a gradient for it
                 elif zc:
                     continue  # the view itself was averaged; gather() attached it
                 elif self._current(p) is None:
-                    p.grad = view.to(p.device, copy=True)  # private, never the slot itself
+                    p.grad = self.staging.device_view(i).clone()  # private, never the staging buffer
                 else:
-                    self._current(p).copy_(view)
+                    self._current(p).copy_(self.staging.device_view(i))
 
     def scale_(self, factor: float) -> None:
         """Multiply the gathered values in the slot by ``factor`` (not a use of any parameter)."""
@@ -252,6 +262,7 @@ class SlotBinding:
         for handle in self._hooks:
             handle.remove()
         self._hooks, self._accumulators = [], []
+        self.staging.close()
         with torch.no_grad():
             for p, view, zc in zip(self.params, self.views, self.zero_copy):
                 cur = self._current(p)
