@@ -57,7 +57,9 @@ def run(args, extra) -> Result:
     from ._launch import run_per_rank_count
 
     rows = run_per_rank_count("staging", args, timeout=1800, drop_env=["HSGD_RANKS_PER_NODE"])
-    return Result([Table(COLUMNS, [_row(r) for r in rows], _title(args, rows))], rows)
+    notes = sorted({f"the slot is not page-locked: {r['why not page-locked']}" for r in rows
+                    if not r["slot page-locked"]})
+    return Result([Table(COLUMNS, [_row(r) for r in rows], _title(args, rows), notes)], rows)
 
 
 def _title(args, rows) -> str:
@@ -147,7 +149,10 @@ def worker(args) -> List[Dict[str, Any]]:
                  "scatter": _timed(comm, binding.scatter, sync, args),
                  **_floors(comm, nbytes, device, sync, args)}
         opt.close()
+        pinned = binding.staging.pinned if device.type == "cuda" else "not on a GPU"
         rows.append({"device": args.device, "device_name": name, "ranks": comm.size, "workload": workload,
-                     "bytes": nbytes, "tensors": len(list(model.parameters())), "times": times})
+                     "bytes": nbytes, "tensors": len(list(model.parameters())), "times": times,
+                     "runs": len(binding.staging.runs), "slot page-locked": pinned is None,
+                     "why not page-locked": pinned})
     topo.close()
     return rows
