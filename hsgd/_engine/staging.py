@@ -111,9 +111,6 @@ class Staging:
         if gpu_runs:
             self.pinned = self._register([run.host for run in gpu_runs])
 
-    def __contains__(self, index: int) -> bool:
-        return index in self._where
-
     def device_view(self, index: int) -> torch.Tensor:
         """Tensor ``index``'s part of its run's device buffer."""
         run, k = self._where[index]
