@@ -7,7 +7,7 @@ print on rank 0. The differences are the lines marked ``# hsgd``::
 
     mpiexec -n 4 python examples/pytorch_mnist1d.py
     mpiexec -n 4 python examples/pytorch_mnist1d.py --epochs 20 --compression bf16 --use-mixed-precision
-    mpiexec -n 2 python examples/pytorch_mnist1d.py --device cuda   # one GPU per rank of a host, or shared
+    mpiexec -n 2 python examples/pytorch_mnist1d.py --device cuda --epochs 2 --use-mixed-precision
 
 MNIST-1D (Greydanus 2020: 40-sample 1-D signals of the ten digits) is
 generated offline the first time into ``--data-dir`` by rank 0 (about 20 s
@@ -15,10 +15,15 @@ for the default 40 000 samples); every rank then reads its shard of it in
 large contiguous blocks (:class:`hsgd.ContiguousH5Loader`, the role of
 torch's ``DistributedSampler`` in the Horovod example).
 
-``--use-mixed-precision`` first tries bf16 autocast in a child process (once per
-host): on a CPU whose bf16 kernels crash (AMX advertised but not enabled) every
-rank exits with status 2 and rank 0 prints one line saying what to set, instead
-of the job dying of SIGILL.
+``--device cuda`` trains on the GPUs, rank ``i`` of a host on its GPU ``i % count``
+(ranks share GPUs when there are fewer GPUs than ranks); ``--device auto`` does so
+when every rank sees a GPU, else stays on the CPU. When some rank sees no GPU,
+``--device cuda`` makes every rank exit with status 2, rank 0 printing one line.
+
+``--use-mixed-precision`` autocasts to bf16 on the chosen device. On the CPU it
+first tries bf16 autocast in a child process (once per host): on a CPU whose bf16
+kernels crash (AMX advertised but not enabled) every rank exits with status 2 and
+rank 0 prints one line saying what to set, instead of the job dying of SIGILL.
 """
 
 import argparse
@@ -52,7 +57,8 @@ def parse_args(argv=None):
     parser.add_argument("--data-dir", default="~/.cache/hsgd", help="where the generated data set is kept")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
-                        help="cpu, cuda (GPU local_rank %% count; exit 2 if a rank has none) or auto")
+                        help="cpu, cuda (rank i of a host on its GPU i %% count) or auto (cuda when every "
+                             "rank sees a GPU)")
     return parser.parse_args(argv)
 
 
@@ -94,24 +100,6 @@ def train(epoch, model, optimizer, loader, scaler, device, args):
                   f" ({100.0 * batch_idx / len(loader):.0f}%)]\tLoss: {loss.item():.6f}")
 
 
-def pick_device(choice, prog):
-    """``cpu``, or this rank's GPU (its index among the ranks of its host), as Horovod's
-    ``torch.cuda.set_device(hvd.local_rank())``; ``auto``: the GPUs when every rank has one.
-    Every rank reaches the same answer, so a rank without a GPU stops the job instead of hanging it."""
-    if choice == "cpu":
-        return torch.device("cpu")
-    everywhere = hsgd.allreduce(torch.tensor(int(torch.cuda.is_available())), op="min").item()
-    if not everywhere:
-        if choice == "cuda":
-            if hsgd.rank() == 0:
-                print(f"{prog}: error: --device cuda, but torch sees no GPU on at least one rank: "
-                      "use --device cpu or auto", file=sys.stderr)
-            sys.exit(2)
-        return torch.device("cpu")
-    torch.cuda.set_device(hsgd.local_rank() % torch.cuda.device_count())
-    return torch.device("cuda")
-
-
 def metric_average(value, name):
     return hsgd.allreduce(torch.tensor(value, dtype=torch.float64), op="sum").item()
 
@@ -135,17 +123,26 @@ def test(model, loader, device):
     return accuracy
 
 
+def fail(message):
+    """Every rank exits with status 2; rank 0 says why, in one line."""
+    if hsgd.rank() == 0:
+        print(f"pytorch_mnist1d.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    device = pick_device(args.device, "pytorch_mnist1d.py")
+    try:
+        # hsgd: the same decision on every rank (Horovod's torch.cuda.set_device(hvd.local_rank()))
+        device = hsgd.pick_device(args.device)
+    except hsgd.InputError as exc:  # --device cuda where some rank sees no GPU
+        fail(exc)
     if args.use_mixed_precision:
         # hsgd: bf16 kernels kill the process on some CPUs; try them in a child process first
-        # (every rank gets the same answer, so every rank exits alike; a GPU needs no probe)
+        # (every rank gets the same answer, so every rank exits alike; nothing to try on a GPU)
         problem = check_autocast(device.type, torch.bfloat16, off="drop --use-mixed-precision")
         if problem:
-            if hsgd.rank() == 0:
-                print(f"pytorch_mnist1d.py: error: --use-mixed-precision: {problem}", file=sys.stderr)
-            sys.exit(2)
+            fail(f"--use-mixed-precision: {problem}")
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     # rank 0 generates the data set once; the others wait for it

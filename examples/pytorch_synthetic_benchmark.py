@@ -14,6 +14,12 @@ hsgd's examples depend on torch only, so the models are an MLP (``mlp``,
 the MNIST-1D CNN (``cnn``, 5.2k parameters: compute-bound). The figures
 depend on the machine; docs/benchmarks.md compares hsgd with torch DDP side
 by side.
+
+``--device cuda`` runs on the GPUs, rank ``i`` of a host on its GPU ``i % count``
+(ranks share GPUs when there are fewer GPUs than ranks), each timed block ending
+with ``torch.cuda.synchronize()``; ``--device auto`` does so when every rank sees a
+GPU. When some rank sees no GPU, ``--device cuda`` makes every rank exit with
+status 2, rank 0 printing one line.
 """
 
 import argparse
@@ -42,11 +48,12 @@ def parse_args(argv=None):
                         help="who allreduces across nodes")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
-                        help="cpu, cuda (GPU local_rank %% count; exit 2 if a rank has none) or auto")
+                        help="cpu, cuda (rank i of a host on its GPU i %% count) or auto (cuda when every "
+                             "rank sees a GPU)")
     return parser.parse_args(argv)
 
 
-def build(args):
+def build(args, device):
     if args.model == "mlp":
         model = torch.nn.Sequential(torch.nn.Linear(1024, args.width), torch.nn.ReLU(),
                                     torch.nn.Linear(args.width, args.width), torch.nn.ReLU(),
@@ -61,25 +68,7 @@ def build(args):
                                     torch.nn.Flatten(), torch.nn.Linear(125, 10))
         data = torch.randn(args.batch_size, 40)
     target = torch.randint(0, 10, (args.batch_size,))
-    return model, data, target
-
-
-def pick_device(choice, prog):
-    """``cpu``, or this rank's GPU (its index among the ranks of its host), as Horovod's
-    ``torch.cuda.set_device(hvd.local_rank())``; ``auto``: the GPUs when every rank has one.
-    Every rank reaches the same answer, so a rank without a GPU stops the job instead of hanging it."""
-    if choice == "cpu":
-        return torch.device("cpu")
-    everywhere = hsgd.allreduce(torch.tensor(int(torch.cuda.is_available())), op="min").item()
-    if not everywhere:
-        if choice == "cuda":
-            if hsgd.rank() == 0:
-                print(f"{prog}: error: --device cuda, but torch sees no GPU on at least one rank: "
-                      "use --device cpu or auto", file=sys.stderr)
-            sys.exit(2)
-        return torch.device("cpu")
-    torch.cuda.set_device(hsgd.local_rank() % torch.cuda.device_count())
-    return torch.device("cuda")
+    return model.to(device), data.to(device), target.to(device)
 
 
 def log(message):
@@ -89,11 +78,15 @@ def log(message):
 
 def main(argv=None):
     args = parse_args(argv)
-    device = pick_device(args.device, "pytorch_synthetic_benchmark.py")
+    try:
+        device = hsgd.pick_device(args.device)  # hsgd: the same decision on every rank
+    except hsgd.InputError as exc:  # --device cuda where some rank sees no GPU
+        if hsgd.rank() == 0:
+            print(f"pytorch_synthetic_benchmark.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    model, data, target = build(args)
-    model, data, target = model.to(device), data.to(device), target.to(device)
+    model, data, target = build(args, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hsgd.size())
     optimizer = hsgd.HierarchicalSGD(optimizer, named_parameters=model.named_parameters(),
                                      compression=args.compression, inter_node=args.inter_node)
@@ -103,10 +96,12 @@ def main(argv=None):
         F.cross_entropy(model(data), target).backward()
         optimizer.step()
 
-    def seconds_of(batches):
-        """Wall seconds of ``batches`` steps, the GPU's queue drained at the end."""
+    def timed(steps):
+        """Seconds of ``steps`` steps; on a GPU, after the queued kernels finish, at both ends."""
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
-        for _ in range(batches):
+        for _ in range(steps):
             benchmark_step()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -115,13 +110,14 @@ def main(argv=None):
     params = sum(p.numel() for p in model.parameters())
     log(f"Model: {args.model} ({params / 1e6:.2f}M parameters)")
     log(f"Batch size: {args.batch_size}")
-    log(f"Number of ranks: {hsgd.size()} ({hsgd.local_size()} on this node), device: {device}")
+    log(f"Device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
+    log(f"Number of ranks: {hsgd.size()} ({hsgd.local_size()} on this node)")
     log("Running warmup...")
-    seconds_of(args.num_warmup_batches)
+    timed(args.num_warmup_batches)
     log("Running benchmark...")
     rates = []
     for i in range(args.num_iters):
-        seconds = seconds_of(args.num_batches_per_iter)
+        seconds = timed(args.num_batches_per_iter)
         rate = args.batch_size * args.num_batches_per_iter / seconds
         log(f"Iter #{i}: {rate:.1f} samples/sec per rank")
         rates.append(rate)

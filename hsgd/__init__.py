@@ -24,6 +24,7 @@ _EXPORTS = {
     "LARS": ".lars",
     "WarmupPolyLR": ".schedules", "WarmupMultiStepLR": ".schedules", "scaled_lr": ".schedules",
     "broadcast_parameters": ".replicas", "broadcast_optimizer_state": ".replicas",
+    "pick_device": ".devices",
     **{name: ".collectives" for name in (
         "rank", "size", "local_rank", "local_size", "barrier", "allreduce", "allreduce_", "allgather",
         "broadcast", "broadcast_", "allreduce_object", "allgather_object", "broadcast_object")},

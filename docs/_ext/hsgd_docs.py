@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 API_SECTIONS: List[Tuple[str, Tuple[str, ...]]] = [
     ("Synchronization modes", ("._engine.mode", ".hierarchical", ".box", ".gossip")),
     ("Remote memory", (".remote",)),
-    ("Nodes, data and load balancing", (".topology", ".parallel_io", ".balance")),
+    ("Nodes, devices, data and load balancing", (".topology", ".devices", ".parallel_io", ".balance")),
     ("Optimizers and schedules", (".lars", ".schedules")),
     ("Collectives and replicas", (".collectives", ".replicas")),
     ("Errors", (".errors",)),

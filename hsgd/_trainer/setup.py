@@ -17,9 +17,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from mpi4py import MPI
 
 from .._core.agree import check_all, collective_error, on_root
+from ..devices import on_host, pick_device
 from ..errors import InputPermissionError, InputValueError
 from ..parallel_io import ContiguousH5Loader
 from ..topology import Topology
@@ -41,24 +41,14 @@ def setup(cfg: TrainConfig, comm):
     topo = Topology.from_comm(comm, ranks_per_node=cfg.ranks_per_node)
     logging.basicConfig(level=logging.INFO if topo.rank == 0 else logging.WARNING,
                         format=f"[rank {topo.rank}] %(message)s", stream=sys.stderr)
-    host_rank, host_size = _on_host(comm)
+    host_rank, host_size = on_host(comm)
     torch.set_num_threads(cfg.threads or _default_threads(host_size))
-    device = _pick_device(cfg.device, comm, host_rank)
+    device = pick_device(cfg.device, comm, host_rank)  # the same kind on every rank, or an InputError
     check_amp(cfg.amp, device, comm)  # in a child process, before this one runs any kernel
     run_dir = Path(on_root(comm, _make_run_dir, cfg, topo))
     ckpt_dir = Path(cfg.checkpoint_dir or run_dir / "checkpoints")
     on_root(comm, check_writable, ckpt_dir)
     return topo, device, run_dir, ckpt_dir
-
-
-def _on_host(comm):
-    """This rank's index among the ranks of its host (physical node, whatever the virtual
-    node size), and their number. Collective."""
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        return host.Get_rank(), host.Get_size()
-    finally:
-        host.Free()
 
 
 def _default_threads(host_size: int) -> int:
@@ -69,20 +59,6 @@ def _default_threads(host_size: int) -> int:
         if os.environ.get(var, "").isdigit() and int(os.environ[var]) > 0:
             return int(os.environ[var])
     return max(1, len(os.sched_getaffinity(0)) // host_size)
-
-
-def _pick_device(choice: str, comm, host_rank: int) -> torch.device:
-    """CPU, or the GPU of this rank's index among the ranks of its host; agreed by all ranks."""
-    if choice == "cpu":
-        return torch.device("cpu")
-    everywhere = comm.allreduce(int(torch.cuda.is_available()), op=MPI.MIN)
-    if not everywhere:
-        if choice == "cuda":
-            raise collective_error(InputValueError, "--device cuda, but torch sees no GPU on at least "
-                                   "one rank; use --device cpu or auto")
-        return torch.device("cpu")
-    torch.cuda.set_device(host_rank % torch.cuda.device_count())
-    return torch.device("cuda")
 
 
 def _make_run_dir(cfg: TrainConfig, topo: Topology) -> str:

@@ -69,22 +69,51 @@ def test_synthetic_benchmark_reports_rates_and_compressed_traffic():
     assert moved and float(moved.group(1)) > 0, proc.stdout  # 2 virtual nodes: the sums crossed
 
 
+def one_gpu_rank_env():
+    """A job's environment in which rank 1 alone believes it has a GPU (tests/cuda_faults/sitecustomize.py)."""
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "cuda_faults"),
+                                           *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def run_synthetic(*extra, env=None):
+    return run_mpi(2, [str(EXAMPLES / "pytorch_synthetic_benchmark.py"), "--width", "64",
+                       "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "2", *extra],
+                   env={"HSGD_RANKS_PER_NODE": "1", **(env or {})}, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here: --device cuda would run")
 @pytest.mark.parametrize("script", ["pytorch_mnist1d.py", "pytorch_synthetic_benchmark.py"])
-def test_device_cuda_without_a_gpu_exits_2_on_every_rank_with_one_error(cache, script):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: --device cuda runs there (scripts/gpu_checks.sh)")
-    data = ["--data-dir", cache] if script == "pytorch_mnist1d.py" else []
-    proc = run_mpi(2, [str(EXAMPLES / script), "--device", "cuda", *data], timeout=120)
+@pytest.mark.parametrize("gpus", ["none", "rank 1 only"])
+def test_example_with_device_cuda_and_no_gpu_exits_2_with_one_line(cache, script, gpus):
+    """Every rank asks torch, the ranks agree (the minimum), every rank exits with 2 and rank 0
+    says what to change: no hang, no traceback, no training; also where one rank believes it has a GPU."""
+    env = one_gpu_rank_env() if gpus == "rank 1 only" else None
+    proc = (run_mnist1d(cache, "--device", "cuda", env=env) if script == "pytorch_mnist1d.py"
+            else run_synthetic("--device", "cuda", env=env))
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert errors == [f"{script}: error: --device cuda, but torch sees no GPU on at least one rank: "
-                      "use --device cpu or auto"], proc.stderr
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors[0] == (f"{script}: error: --device cuda, but torch sees no GPU on at least one rank; "
+                         "use --device cpu or auto"), errors[0]
+    assert "Train Epoch" not in proc.stdout and "Running benchmark" not in proc.stdout, proc.stdout
 
 
-def test_mnist1d_example_on_a_gpu(cache):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU: torch.cuda.is_available() is False")
-    proc = run_mnist1d(cache, "--device", "cuda")
+def test_synthetic_benchmark_device_auto_without_a_gpu_runs_on_the_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here: auto picks it (test_examples_run_on_the_gpu)")
+    proc = run_synthetic("--device", "auto", "--model", "cnn", env=one_gpu_rank_env())  # rank 1's "GPU" outvoted
+    assert proc.returncode == 0, proc.stderr
+    assert "Device: cpu" in proc.stdout.splitlines(), proc.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: torch.cuda.is_available() is False")
+def test_examples_run_on_the_gpu(cache):
+    """2 ranks on the host's GPUs (sharing one if there is one): MNIST-1D learns, with bf16 autocast
+    on the GPU (no CPU probe), and the benchmark reports its rates on the GPU it names."""
+    proc = run_mnist1d(cache, "--device", "cuda", "--use-mixed-precision")
     assert proc.returncode == 0, proc.stderr
     tests = re.findall(r"Test set: Average loss: ([0-9.]+), Accuracy: ([0-9.]+)%", proc.stdout)
     assert len(tests) == 2 and float(tests[-1][1]) > 20.0, proc.stdout
+    proc = run_synthetic("--device", "cuda", "--compression", "fp16")
+    assert proc.returncode == 0, proc.stderr
+    assert f"Device: {torch.cuda.get_device_name(0)}" in proc.stdout.splitlines(), proc.stdout
+    assert len(re.findall(r"Iter #\d: [0-9.]+ samples/sec per rank", proc.stdout)) == 2, proc.stdout
