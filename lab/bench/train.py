@@ -35,6 +35,9 @@ def add_arguments(p) -> None:
 
 def check(args, extra, parser) -> None:
     check_hosts_options(args, parser)
+    if on_hosts(args) and (args.methods is not None or args.device != "cpu"):
+        parser.error("arguments --methods and --device: across emulated hosts every method runs, on the CPU "
+                     "(the hosts are CPU-only); drop them, or run without --hosts")
     here.check(args, extra, parser)
 
 

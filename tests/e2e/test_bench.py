@@ -236,11 +236,13 @@ def test_model_predicts_without_measuring_and_draws(tmp_path):
     (["hsgd.bench", "io"], "argument SUBCOMMAND: invalid choice: 'io'"),
     (["hsgd.bench", "train", "--period", "3"], "argument --period: 3 is odd"),
     (["hsgd.bench", "train", "--methods", "DDP", "bogus"], "argument --methods: invalid choice: 'bogus'"),
+    (["lab.bench", "train", "--hosts", "2", "--methods", "DDP"], "arguments --methods and --device: across emulated"),
     (["hsgd.bench", "staging", "--workloads", "resnet"], "argument --workloads: invalid choice: 'resnet'"),
 ])
 def test_a_bad_option_gives_one_error_and_exit_2(args, message):
-    package = args[0] if args[0] == "hsgd.bench" else PACKAGE.get(args[0], "lab.bench")
-    args = args[1:] if args[0] == "hsgd.bench" else args
+    named = args[0] in ("hsgd.bench", "lab.bench")  # the package named, else the one that runs the subcommand
+    package = args[0] if named else PACKAGE.get(args[0], "lab.bench")
+    args = args[1:] if named else args
     proc = subprocess.run([sys.executable, "-m", package, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)  # launches nothing
     assert proc.returncode == 2, proc.stderr
