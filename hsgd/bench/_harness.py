@@ -29,7 +29,8 @@ from statistics import median
 from typing import Any, Callable, List, Sequence
 
 __all__ = ["Table", "Result", "repeat", "median", "clock", "Progress", "has_tqdm", "write_json",
-           "int_at_least", "positive_float", "non_negative_float", "add_common_options", "add_repeat_options"]
+           "int_at_least", "positive_float", "non_negative_float", "add_common_options", "add_repeat_options",
+           "check_device", "worker_device"]
 
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
@@ -195,3 +196,31 @@ def add_repeat_options(parser: argparse.ArgumentParser, repeats: int, warmup: in
                         help=f"timed {what}; tables show their median ({repeats})")
     parser.add_argument("--warmup", type=int_at_least(0), default=warmup,
                         help=f"untimed {what} before the timed ones ({warmup})")
+
+
+def check_device(args: argparse.Namespace, parser: argparse.ArgumentParser, otherwise: str) -> None:
+    """``parser.error()`` for ``--device cuda`` where torch sees no GPU, before any job starts;
+    ``otherwise``: what to do instead."""
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("argument --device: cuda, but torch sees no GPU here (torch.cuda.is_available() is "
+                         f"False): run on a GPU host, or {otherwise}")
+
+
+def _nothing() -> None:
+    """A CPU's work is done when the call returns."""
+
+
+def worker_device(choice: str, comm) -> tuple:
+    """In a benchmark's worker: this rank's device (:func:`hsgd.pick_device`, collective), the
+    call that waits for its queued work (nothing on the CPU) and its name for the tables."""
+    import torch
+
+    from ..devices import pick_device
+
+    device = pick_device(choice, comm)
+    if device.type == "cuda":
+        return device, torch.cuda.synchronize, torch.cuda.get_device_name(device)
+    return device, _nothing, "CPU"

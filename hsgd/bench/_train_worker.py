@@ -150,10 +150,6 @@ def _batches(count, per_rank, rank, workload, device="cpu"):
              torch.randint(0, CLASSES, (per_rank,), generator=gen).to(device)) for _ in range(count)]
 
 
-def _nothing() -> None:
-    """A CPU's work is done when the call returns."""
-
-
 def worker(args, across=None):
     """On every rank: each workload, every method; rank 0 returns one row per workload.
     ``across``: the lab's emulated hosts (``lab.bench._host_train``: ``init_gloo``,
@@ -164,6 +160,7 @@ def worker(args, across=None):
 
     from hsgd import Topology
 
+    from ._harness import worker_device
     from .allreduce import _timed
 
     comm = MPI.COMM_WORLD
@@ -176,11 +173,7 @@ def worker(args, across=None):
             topologies[2] = Topology.from_comm(comm, ranks_per_node=comm.size // 2)
     threads = os.environ.get("OMP_NUM_THREADS", "")
     local_size = next(iter(topologies.values())).local_size
-    device = torch.device(getattr(args, "device", "cpu"))
-    sync: Callable[[], None] = _nothing
-    if device.type == "cuda":  # the GPU of this rank's index on its host (shared when there are fewer)
-        torch.cuda.set_device(next(iter(topologies.values())).local_rank % torch.cuda.device_count())
-        sync = torch.cuda.synchronize
+    device, sync, device_name = worker_device(getattr(args, "device", "cpu"), comm)  # the lab's: the CPU
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
                           else max(1, len(os.sched_getaffinity(0)) // local_size))
     if hosts:
@@ -230,7 +223,7 @@ def worker(args, across=None):
         for name in names:
             methods[name].close()
         row = {"workload": workload, "ranks": comm.size, "batch": per_rank, "numel": numel,
-               "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
+               "device": device_name,
                "threads": torch.get_num_threads(), "times": times, "average": average, "skipped": skipped}
         if hosts:
             row.update(across.limits(times, crossed, args))

@@ -26,7 +26,7 @@ import os
 import time
 from typing import Any, Callable, Dict, List
 
-from ._harness import Result, Table, add_repeat_options, int_at_least, median, repeat
+from ._harness import Result, Table, add_repeat_options, check_device, int_at_least, median, repeat, worker_device
 
 WORKLOADS = ("mlp", "cnn", "deep", "mlp2m")
 COLUMNS = ("device", "ranks", "workload", "MB", "tensors", "gather ms", "scatter ms", "staging ms",
@@ -45,12 +45,7 @@ def add_arguments(p) -> None:
 
 
 def check(args, extra, parser) -> None:
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error("argument --device: cuda, but torch sees no GPU here (torch.cuda.is_available() is "
-                         "False): run on a GPU host, or measure CPU staging with --device cpu")
+    check_device(args, parser, "measure CPU staging with --device cpu")
 
 
 def run(args, extra) -> Result:
@@ -114,10 +109,6 @@ def _floors(comm, nbytes: int, device, sync, args) -> Dict[str, List[float]]:
     return times
 
 
-def _nothing() -> None:
-    """A CPU's copies are done when they return: nothing to wait for."""
-
-
 def worker(args) -> List[Dict[str, Any]]:
     """On every rank: each workload's staging and its floors; rank 0 returns one row each."""
     import torch
@@ -130,12 +121,7 @@ def worker(args) -> List[Dict[str, Any]]:
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
     topo = Topology.from_comm(comm)  # the host's ranks: one node per host
-    device = torch.device(args.device)
-    sync: Callable[[], None] = _nothing
-    name = "CPU"
-    if device.type == "cuda":
-        torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
-        sync, name = torch.cuda.synchronize, torch.cuda.get_device_name()
+    device, sync, name = worker_device(args.device, comm)
     rows = []
     for workload in args.workloads:
         model = _model(workload).to(device)

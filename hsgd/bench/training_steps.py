@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ._harness import Result, Table, add_repeat_options, int_at_least, median
+from ._harness import Result, Table, add_repeat_options, check_device, int_at_least, median
 from ._launch import run_per_rank_count
 from ._train_worker import worker  # noqa: F401 (what every rank runs)
 
@@ -52,12 +52,7 @@ def add_arguments(p) -> None:
 
 
 def check(args, extra, parser) -> None:
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error("argument --device: cuda, but torch sees no GPU here (torch.cuda.is_available() is "
-                         "False): run on a GPU host, or use --device cpu")
+    check_device(args, parser, "use --device cpu")
     if args.period % 2:
         parser.error(f"argument --period: {args.period} is odd; the 2-node local SGD averages in the "
                      f"node every P/2 steps: use an even period such as {args.period + 1}")
